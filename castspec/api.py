@@ -1,0 +1,141 @@
+"""The library entry point: load a target (and a drafter), then generate."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from castspec.drafters.base import Drafter
+from castspec.drafters.draft_model import DraftModelDrafter, check_compatible
+from castspec.drafters.ngram import NgramDrafter
+from castspec.engine import StepStats, StopCondition, decode
+from castspec.errors import CastspecError
+from castspec.models import load_model
+from castspec.policies import ChainPolicy, Eagle2Policy, Policy
+from castspec.target import Target
+
+METHODS = ("ar", "chain", "eagle2")
+DRAFTERS = ("ngram",)
+
+
+def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5,
+                total_tokens: int = 60) -> Policy | None:
+    if method == "ar":
+        return None
+    if method == "chain":
+        return ChainPolicy(chain_length)
+    if method == "eagle2":
+        return Eagle2Policy(top_k, depth, total_tokens)
+    raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+@dataclass
+class Generation:
+    text: str
+    output_ids: list[int]
+    prompt_length: int
+    stop_reason: str
+    wall_s: float
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        return [s.accepted for s in self.steps]
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: new tokens per target forward (the prefill's token counts against the prefill)."""
+        return (len(self.output_ids) - 1) / len(self.steps) if self.steps else float(len(self.output_ids))
+
+    def to_json(self) -> dict:
+        return {
+            "output_ids": self.output_ids,
+            "text": self.text,
+            "prompt_length": self.prompt_length,
+            "stop_reason": self.stop_reason,
+            "steps": len(self.steps),
+            "accept_lengths": self.accept_lengths,
+            "tree_sizes": [s.tree_size for s in self.steps],
+            "depths": [s.draft.depth for s in self.steps],
+            "mean_accepted": round(self.mean_accepted, 4),
+            "draft_s": round(sum(s.draft_s for s in self.steps), 4),
+            "verify_s": round(sum(s.verify_s for s in self.steps), 4),
+            "wall_s": round(self.wall_s, 4),
+            "tokens_per_s": round(len(self.output_ids) / self.wall_s, 3) if self.wall_s > 0 else None,
+        }
+
+
+class Engine:
+    """A target model, an optional drafter and a tree policy, ready to generate."""
+
+    def __init__(self, model, tokenizer, drafter: Drafter | None = None, policy: Policy | None = None) -> None:
+        if (drafter is None) != (policy is None):
+            raise CastspecError("a drafter and a policy go together: give both (speculative) or neither (AR)")
+        self.model, self.tokenizer = model, tokenizer
+        self.target = Target(model)
+        self.drafter, self.policy = drafter, policy
+        eos = model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        self.eos_ids = {int(e) for e in eos} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None
+                                                else set())
+
+    @classmethod
+    def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
+             dtype: str = "bf16", device: str = "cpu", **policy_options) -> Engine:
+        policy = make_policy(method, **policy_options)
+        if policy is not None and draft is None and drafter is None:
+            raise CastspecError(f"method {method!r} needs a drafter: give --draft MODEL or --drafter ngram")
+        if draft is not None and drafter is not None:
+            raise CastspecError("give either a draft model or --drafter, not both")
+        if drafter is not None and drafter not in DRAFTERS:
+            raise CastspecError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)} "
+                                "(or pass a draft model with --draft)")
+        target_model, tokenizer = load_model(model, dtype, device)
+        chosen: Drafter | None = None
+        if policy is not None:
+            if draft is not None:
+                draft_model, draft_tokenizer = load_model(draft, dtype, device)
+                check_compatible(target_model, tokenizer, draft_model, draft_tokenizer)
+                chosen = DraftModelDrafter(draft_model)
+            else:
+                chosen = NgramDrafter()
+        return cls(target_model, tokenizer, chosen, policy)
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise CastspecError("give exactly one of a prompt or chat messages")
+        if messages is not None:
+            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise CastspecError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
+            if self.tokenizer.chat_template is None:
+                raise CastspecError("this model's tokenizer has no chat template: give a plain prompt")
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            if not isinstance(prompt, str) or not prompt:
+                raise CastspecError("the prompt is empty")
+            ids = self.tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise CastspecError("the prompt encodes to no tokens")
+        return list(ids)
+
+    def generate(self, prompt: str | None = None, messages: list[dict] | None = None, max_new_tokens: int = 128,
+                 stop: list[str] | None = None, prompt_ids: list[int] | None = None) -> Generation:
+        """Greedy generation, token-identical to the target's own greedy decoding."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise CastspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, messages)
+        if not ids:
+            raise CastspecError("the prompt is empty")
+        limit = self.target.max_positions
+        if limit is not None:
+            if len(ids) >= limit:
+                raise CastspecError(f"the prompt has {len(ids)} tokens; this model's context holds {limit}, "
+                                    "leaving no room to generate")
+            max_new_tokens = min(max_new_tokens, limit - len(ids))
+        condition = StopCondition(max_new_tokens, self.eos_ids, stop or [], self.tokenizer)
+        start = time.perf_counter()
+        output, steps = decode(self.target, self.drafter, self.policy, ids, condition)
+        wall = time.perf_counter() - start
+        text = self.tokenizer.decode(output, skip_special_tokens=True)
+        return Generation(text, output, len(ids), condition.reason or "max_new_tokens", wall, steps)

@@ -1,0 +1,69 @@
+"""Prompt-lookup / n-gram drafter: proposes the tokens that followed earlier occurrences of the current suffix.
+
+Every n-gram (n = min_n..max_n) of the sequence so far is indexed with the counts of the tokens that followed
+it. A node's children are the continuations of the longest suffix (of the sequence plus the node's path) that
+occurred before; their probabilities are the continuation frequencies, so several matches give a tree. It costs
+microseconds, so it pays off wherever the output repeats its input (code edits, summaries, retrieval)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import torch
+
+from castspec.drafters.base import Candidates, Drafter
+from castspec.tree import DraftTree
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.reset()
+
+    def reset(self) -> None:
+        self.history: list[int] = []
+        self.index: dict[tuple[int, ...], Counter[int]] = defaultdict(Counter)
+
+    def _append(self, token: int) -> None:
+        history = self.history
+        for n in range(self.min_n, self.max_n + 1):
+            if len(history) >= n:
+                self.index[tuple(history[-n:])][token] += 1
+        history.append(token)
+
+    def _propose(self, suffix_source: list[int], top_k: int) -> tuple[list[int], list[float]]:
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(suffix_source) < n:
+                continue
+            followers = self.index.get(tuple(suffix_source[-n:]))
+            if followers:
+                total = sum(followers.values())
+                best = followers.most_common(top_k)
+                return [t for t, _ in best], [c / total for _, c in best]
+        return [], []
+
+    def _rows(self, proposals: list[tuple[list[int], list[float]]], top_k: int) -> Candidates:
+        tokens = torch.zeros(len(proposals), top_k, dtype=torch.long)
+        probs = torch.zeros(len(proposals), top_k)
+        for row, (toks, ps) in enumerate(proposals):
+            tokens[row, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            probs[row, : len(ps)] = torch.tensor(ps)
+        return Candidates(tokens, probs)
+
+    def begin(self, new_tokens: list[int], top_k: int) -> Candidates:
+        for token in new_tokens:
+            self._append(token)
+        return self._rows([self._propose(self.history, top_k)], top_k)
+
+    def expand(self, pool: DraftTree, frontier: list[int], top_k: int) -> Candidates:
+        tail = self.history[-self.max_n:]
+        pool_tokens = pool.tokens.tolist()
+        proposals = []
+        for node in frontier:
+            path = [pool_tokens[i] for i in pool.path_to(node)]
+            proposals.append(self._propose(tail + path, top_k))
+        return self._rows(proposals, top_k)

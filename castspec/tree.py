@@ -1,0 +1,104 @@
+"""The draft tree as data.
+
+Node 0 is the root: the last accepted token, which the target has not processed yet. Every other node holds a
+drafted token, the index of its parent, its depth (root = 0) and its score: the product of the draft
+probabilities along the path from the root (EAGLE-2's confidence, the utility CAST sums). Nodes are stored in
+topological order (a parent's index is smaller than its children's), so one pass over the nodes can build any
+per-node quantity that depends on the ancestors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [n] int64
+    parents: torch.Tensor  # [n] int64, root's parent is -1
+    scores: torch.Tensor  # [n] float32, root's score is 1
+    depths: torch.Tensor  # [n] int64
+
+    @staticmethod
+    def single(root_token: int) -> DraftTree:
+        """The tree of plain autoregressive decoding: the root alone."""
+        return DraftTree(
+            torch.tensor([root_token]), torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0])
+        )
+
+    @staticmethod
+    def from_lists(tokens: list[int], parents: list[int], scores: list[float]) -> DraftTree:
+        if not tokens or parents[0] != -1:
+            raise ValueError("a tree needs a root at index 0 with parent -1")
+        depths = [0] * len(tokens)
+        for i in range(1, len(tokens)):
+            if not 0 <= parents[i] < i:
+                raise ValueError(f"node {i} has parent {parents[i]}: parents must come before their children")
+            depths[i] = depths[parents[i]] + 1
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long),
+            torch.tensor(parents, dtype=torch.long),
+            torch.tensor(scores, dtype=torch.float32),
+            torch.tensor(depths, dtype=torch.long),
+        )
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n, n] bool: entry (i, j) is True when j is i itself or one of its ancestors."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        parents = self.parents.tolist()
+        for i in range(1, n):
+            mask[i] |= mask[parents[i]]
+        return mask
+
+    def position_ids(self, past_length: int) -> torch.Tensor:
+        return self.depths + past_length
+
+    def attention_mask(self, past_length: int) -> torch.Tensor:
+        """[1, 1, n, past + n] bool: every node sees the whole cached prefix and its own ancestors only."""
+        n = len(self)
+        prefix = torch.ones(n, past_length, dtype=torch.bool)
+        return torch.cat([prefix, self.ancestor_mask()], dim=1)[None, None]
+
+    def children(self, node: int) -> list[int]:
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def path_to(self, node: int) -> list[int]:
+        """Indices from the root's first child down to `node` (empty for the root)."""
+        parents = self.parents.tolist()
+        path = []
+        while node > 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+    def leaves(self) -> list[int]:
+        has_child = torch.zeros(len(self), dtype=torch.bool)
+        has_child[self.parents[1:]] = True
+        return (~has_child).nonzero().flatten().tolist()
+
+    def paths(self) -> list[list[int]]:
+        """Every root-to-leaf path as node indices, root included."""
+        return [[0, *self.path_to(leaf)] for leaf in self.leaves()]
+
+    def subtree(self, keep: list[int] | torch.Tensor) -> DraftTree:
+        """The tree restricted to `keep` (which must contain the root and be closed under taking parents)."""
+        keep = torch.as_tensor(keep, dtype=torch.long).sort().values
+        if keep.numel() == 0 or int(keep[0]) != 0:
+            raise ValueError("a subtree must keep the root")
+        new_index = torch.full((len(self),), -1, dtype=torch.long)
+        new_index[keep] = torch.arange(keep.numel())
+        parents = self.parents[keep]
+        new_parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+        if bool((new_parents[1:] < 0).any()):
+            raise ValueError("the kept nodes are not closed under taking parents")
+        return DraftTree(self.tokens[keep], new_parents, self.scores[keep], self.depths[keep])
