@@ -5,21 +5,31 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from castspec.cast import CastPolicy
+from castspec.cost import CostTable, model_identity, setup_key
 from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter, check_compatible
 from castspec.drafters.ngram import NgramDrafter
 from castspec.engine import StepStats, StopCondition, decode
 from castspec.errors import CastspecError
-from castspec.models import load_model
+from castspec.models import castspec_home, load_model
 from castspec.policies import ChainPolicy, Eagle2Policy, Policy
 from castspec.target import Target
 
-METHODS = ("ar", "chain", "eagle2")
+METHODS = ("ar", "chain", "eagle2", "cast")
 DRAFTERS = ("ngram",)
 
 
-def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5,
-                total_tokens: int = 60) -> Policy | None:
+def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
+                cost_table: CostTable | None = None, cast_c1: float = 4.0, cast_c2: float = 3.0,
+                cast_c3: float = 2.5, cast_r: int = 8, cast_max_depth: int = 8, cast_auto: bool = True,
+                cast_top_k: int = 8) -> Policy | None:
+    if method == "cast":
+        if cost_table is None:
+            raise CastspecError("method 'cast' needs a cost table: --cost-table TABLE.json "
+                                "(make one with castspec profile), or one saved under $CASTSPEC_HOME/costs")
+        return CastPolicy(cost_table, cast_c1, cast_c2, cast_c3, cast_r, cast_max_depth, cast_top_k,
+                          auto=cast_auto)
     if method == "ar":
         return None
     if method == "chain":
@@ -27,6 +37,22 @@ def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int 
     if method == "eagle2":
         return Eagle2Policy(top_k, depth, total_tokens)
     raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def drafter_identity(draft_model=None) -> str:
+    return model_identity(draft_model) if draft_model is not None else "ngram"
+
+
+def find_cost_table(expect: dict, drafter: str) -> CostTable | None:
+    """A table under $CASTSPEC_HOME/costs measured on exactly this setup and drafter, if there is one."""
+    for path in sorted((castspec_home() / "costs").glob("*.json")):
+        try:
+            table = CostTable.load(path, expect=expect)
+        except CastspecError:
+            continue
+        if table.meta.get("draft", {}).get("model", table.meta.get("draft", {}).get("drafter")) == drafter:
+            return table
+    return None
 
 
 @dataclass
@@ -81,24 +107,33 @@ class Engine:
 
     @classmethod
     def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
-             dtype: str = "bf16", device: str = "cpu", **policy_options) -> Engine:
-        policy = make_policy(method, **policy_options)
-        if policy is not None and draft is None and drafter is None:
+             dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
+             **policy_options) -> Engine:
+        if method not in METHODS:
+            raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if method != "ar" and draft is None and drafter is None:
             raise CastspecError(f"method {method!r} needs a drafter: give --draft MODEL or --drafter ngram")
         if draft is not None and drafter is not None:
             raise CastspecError("give either a draft model or --drafter, not both")
         if drafter is not None and drafter not in DRAFTERS:
             raise CastspecError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)} "
                                 "(or pass a draft model with --draft)")
+        if method != "cast":
+            make_policy(method, **policy_options)  # refuse bad options before the slow model load
         target_model, tokenizer = load_model(model, dtype, device)
+        draft_model = None
+        if draft is not None:
+            draft_model, draft_tokenizer = load_model(draft, dtype, device)
+            check_compatible(target_model, tokenizer, draft_model, draft_tokenizer)
+        table = None
+        if method == "cast":
+            expect = setup_key(target_model)
+            table = (CostTable.load(cost_table, expect=expect, force=force_table) if cost_table
+                     else find_cost_table(expect, drafter_identity(draft_model)))
+        policy = make_policy(method, cost_table=table, **policy_options)
         chosen: Drafter | None = None
         if policy is not None:
-            if draft is not None:
-                draft_model, draft_tokenizer = load_model(draft, dtype, device)
-                check_compatible(target_model, tokenizer, draft_model, draft_tokenizer)
-                chosen = DraftModelDrafter(draft_model)
-            else:
-                chosen = NgramDrafter()
+            chosen = DraftModelDrafter(draft_model) if draft_model is not None else NgramDrafter()
         return cls(target_model, tokenizer, chosen, policy)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

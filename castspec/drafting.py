@@ -18,6 +18,7 @@ class DraftRecord:
     layer_sizes: list[int] = field(default_factory=list)  # candidates drafted at depth 1, 2, ...
     widths: list[int] = field(default_factory=list)  # how many of them were expanded (the last is 0)
     verify_budget: int = 0
+    decisions: dict = field(default_factory=dict)  # the policy's own account of its choices, if it keeps one
 
     @property
     def depth(self) -> int:
@@ -78,10 +79,12 @@ def grow_tree(
     full = pool.tree()
     drafted = len(full) - 1
     if drafted == 0:
+        record.decisions = dict(getattr(policy, "trace", {}))
         return full, record
     # rank by score, ties broken by depth so that a parent always outranks its child (ancestor-closed set)
     key = full.scores[1:].double() - full.depths[1:].double() * 1e-12
     ranked = torch.sort(key, descending=True, stable=True).indices + 1
     budget = max(0, min(policy.verify_budget(full.scores[ranked], ctx), drafted))
     record.verify_budget = budget
+    record.decisions = dict(getattr(policy, "trace", {}))
     return full.subtree(torch.cat([torch.tensor([0]), ranked[:budget]])), record

@@ -76,6 +76,8 @@ def decode(
         t2 = _clock(target.device)
         new_tokens = tree.tokens[path].tolist() + [bonus]
         steps.append(StepStats(len(new_tokens), len(tree) - 1, t1 - t0, t2 - t1, ctx.context_length, record))
+        if policy is not None:
+            policy.observe(len(new_tokens), t2 - t0)
         if any(stop.push(output, token) for token in new_tokens):
             return output, steps
         target.commit([0, *path])

@@ -31,7 +31,7 @@ def forward(
         input_ids=tokens,
         position_ids=positions,
         attention_mask=mask,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
         logits_to_keep=logits_to_keep,
         output_hidden_states=want_hidden,

@@ -33,6 +33,9 @@ class Policy(ABC):
     def start_step(self, ctx: StepContext) -> None:  # noqa: B027 - stateless policies need nothing here
         """Called before each step's drafting."""
 
+    def observe(self, tokens: int, seconds: float) -> None:  # noqa: B027 - only adaptive policies listen
+        """Called after each step with the tokens it emitted and its wall time (draft + verify)."""
+
     @abstractmethod
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
         """`scores`: this layer's candidate scores, sorted decreasing. `layer`: their depth (1 = root's children)."""

@@ -1,0 +1,202 @@
+"""Benchmark harness (Spec-Bench protocol): every method on the same prompts, same target, one run.
+
+Per prompt: warm-up excluded, wall time of the whole generation; tokens/s = new tokens / wall time;
+speed-up = mean tokens/s of a method / mean tokens/s of AR; tau = new tokens / target forwards."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from castspec.api import Engine, drafter_identity, find_cost_table, make_policy
+from castspec.cost import setup_key
+from castspec.drafters.draft_model import DraftModelDrafter
+from castspec.drafters.ngram import NgramDrafter
+
+
+@dataclass
+class MethodSpec:
+    label: str
+    method: str  # ar | chain | eagle2 | hf-assisted | hf-prompt-lookup
+    drafter: str | None = None  # "draft" | "ngram"
+    options: dict = field(default_factory=dict)
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """'ar;chain:draft:chain_length=4;eagle2:ngram;hf-assisted' -> specs. Label = the item's text."""
+    specs = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        fields = item.split(":")
+        method, drafter, options = fields[0], None, {}
+        for extra in fields[1:]:
+            if "=" in extra:
+                for pair in extra.split(","):
+                    key, value = pair.split("=")
+                    options[key] = float(value) if "." in value else int(value)
+            else:
+                drafter = extra
+        specs.append(MethodSpec(item, method, drafter, options))
+    return specs
+
+
+class _HfBaseline:
+    def __init__(self, model, tokenizer, method: str, draft_model) -> None:
+        self.model, self.tokenizer, self.method, self.draft = model, tokenizer, method, draft_model
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], int | None]:
+        ids = torch.tensor([prompt_ids])
+        extra = {"assistant_model": self.draft} if self.method == "hf-assisted" else {"prompt_lookup_num_tokens": 10}
+        config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                                               eos_token_id=self.model.generation_config.eos_token_id,
+                                               pad_token_id=self.tokenizer.pad_token_id)
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **extra)
+        return out[0, len(prompt_ids):].tolist(), None
+
+
+def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
+                  max_new_tokens: int, warmup: int = 1) -> dict:
+    runners = {}
+    for spec in specs:
+        if spec.method.startswith("hf-"):
+            runners[spec.label] = _HfBaseline(target_model, tokenizer, spec.method, draft_model)
+            continue
+        options = dict(spec.options)
+        if spec.method == "cast":
+            drafter_id = drafter_identity(draft_model if spec.drafter == "draft" else None)
+            options["cost_table"] = find_cost_table(setup_key(target_model), drafter_id)
+            options["cast_auto"] = bool(options.pop("auto", 1))
+        policy = make_policy(spec.method, **options)
+        drafter = None
+        if policy is not None:
+            drafter = DraftModelDrafter(draft_model) if spec.drafter == "draft" else NgramDrafter()
+        runners[spec.label] = Engine(target_model, tokenizer, drafter, policy)
+    encoder = next(r for r in runners.values() if isinstance(r, Engine)) if runners else None
+    encoded = [encoder.encode(messages=p["messages"]) if "messages" in p else encoder.encode(prompt=p["prompt"])
+               for p in prompts]
+    for runner in runners.values():  # warm-up: kernels, allocator, caches
+        for ids in encoded[:warmup]:
+            _run(runner, ids, min(16, max_new_tokens))
+    rows = []
+    progress = tqdm(total=len(prompts) * len(specs), desc="benchmark", unit="gen")
+    for prompt, ids in zip(prompts, encoded, strict=True):
+        # methods interleaved per prompt so that machine noise hits them alike
+        for label, runner in runners.items():
+            progress.set_postfix_str(f"{prompt['id']} {label}")
+            output, wall, extra = _run(runner, ids, max_new_tokens)
+            rows.append({"prompt_id": prompt["id"], "task": prompt.get("task", "custom"), "method": label,
+                         "new_tokens": len(output), "wall_s": wall, "tokens_per_s": len(output) / wall,
+                         "output_ids": output, **extra})
+            progress.update()
+    progress.close()
+    return {"meta": _meta(max_new_tokens, len(prompts)), "rows": rows, "summary": summarise(rows)}
+
+
+def _run(runner, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, dict]:
+    start = time.perf_counter()
+    if isinstance(runner, Engine):
+        g = runner.generate(prompt_ids=ids, max_new_tokens=max_new_tokens)
+        wall = time.perf_counter() - start
+        extra = {"steps": len(g.steps), "mean_accepted": g.mean_accepted,
+                 "mean_tree_size": statistics.fmean(s.tree_size for s in g.steps) if g.steps else 0.0,
+                 "mean_depth": statistics.fmean(s.draft.depth for s in g.steps) if g.steps else 0.0,
+                 "draft_s": sum(s.draft_s for s in g.steps), "verify_s": sum(s.verify_s for s in g.steps)}
+        return g.output_ids, wall, extra
+    output, _ = runner.generate(ids, max_new_tokens)
+    return output, time.perf_counter() - start, {}
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per task (and 'all') and method: mean tokens/s, speed-up over AR, tau, tree size, depth, AR agreement."""
+    out = []
+    tasks = sorted({r["task"] for r in rows}) + ["all"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for task in tasks:
+        chosen = [r for r in rows if task in ("all", r["task"])]
+        ar = {r["prompt_id"]: r for r in chosen if r["method"] == "ar"}
+        ar_tps = statistics.fmean(r["tokens_per_s"] for r in ar.values()) if ar else None
+        for method in methods:
+            mine = [r for r in chosen if r["method"] == method]
+            tps = statistics.fmean(r["tokens_per_s"] for r in mine)
+            row = {"task": task, "method": method, "prompts": len(mine), "tokens_per_s": round(tps, 3),
+                   "speedup": round(tps / ar_tps, 3) if ar_tps else None}
+            if "mean_accepted" in mine[0]:
+                steps = sum(r["steps"] for r in mine)
+                row["tau"] = round(sum(r["new_tokens"] - 1 for r in mine) / steps, 3) if steps else None
+                row["mean_tree_size"] = round(statistics.fmean(r["mean_tree_size"] for r in mine), 2)
+                row["mean_depth"] = round(statistics.fmean(r["mean_depth"] for r in mine), 2)
+            if ar:
+                row["same_as_ar"] = sum(r["output_ids"] == ar[r["prompt_id"]]["output_ids"] for r in mine)
+            out.append(row)
+    return out
+
+
+def _meta(max_new_tokens: int, prompts: int) -> dict:
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "max_new_tokens": max_new_tokens, "prompts": prompts}
+
+
+def markdown_table(summary: list[dict]) -> str:
+    lines = ["| task | method | tokens/s | speed-up | tau | verify size | depth | same as AR |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        cells = [r["task"], f"`{r['method']}`", f"{r['tokens_per_s']:.2f}",
+                 f"{r['speedup']:.2f}x" if r.get("speedup") else "-", _fmt(r.get("tau")),
+                 _fmt(r.get("mean_tree_size")), _fmt(r.get("mean_depth")),
+                 f"{r['same_as_ar']}/{r['prompts']}" if "same_as_ar" in r else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def plot_speedups(summary: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(r["task"] for r in summary))
+    methods = [m for m in dict.fromkeys(r["method"] for r in summary) if m != "ar"]
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(methods) * len(tasks) / 2), 4.2))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        values = [next((r["speedup"] or 0 for r in summary if r["task"] == t and r["method"] == method), 0)
+                  for t in tasks]
+        bars = ax.bar([k + i * width for k in range(len(tasks))], values, width, label=method)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks([k + width * (len(methods) - 1) / 2 for k in range(len(tasks))], tasks)
+    ax.set_ylabel("speed-up over AR")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncols=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def save_results(result: dict, out_dir: Path, name: str, command: str, title: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["meta"]["command"] = command
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+    table = markdown_table(result["summary"])
+    (out_dir / f"{name}.md").write_text(f"# {title}\n\nCommand:\n\n```\n{command}\n```\n\n{_meta_line(result)}\n\n"
+                                        f"{table}\n\n![speed-up]({name}.png)\n")
+    plot_speedups(result["summary"], out_dir / f"{name}.png", title)
+
+
+def _meta_line(result: dict) -> str:
+    m = result["meta"]
+    return (f"{m['date']}, {m['machine']}, {m['threads']} threads, torch {m['torch']}, transformers "
+            f"{m['transformers']}, {m['prompts']} prompts, max {m['max_new_tokens']} new tokens.")

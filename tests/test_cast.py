@@ -1,0 +1,145 @@
+"""CAST policy with synthetic scores and cost tables: no model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from castspec.cast import CastPolicy, select_max_valid_index
+from castspec.cost import CostGrid, CostTable
+from castspec.drafting import grow_tree
+from castspec.errors import CastspecError
+from castspec.policies import Eagle2Policy, StepContext
+from test_drafting import ScriptedDrafter
+
+
+def table(target_per_token: float, draft_per_token: float, *, fixed: float = 1.0, draft_fixed: float = 0.0,
+          batch_growth: float = 0.0) -> CostTable:
+    """f_T(B, c, n) = fixed + target_per_token * n * (1 + batch_growth * (B - 1)); same shape for the draft."""
+    batch_sizes, contexts, tokens = [1, 2, 4, 8], [16, 4096], list(range(1, 129))
+
+    def grid(base, slope):
+        return CostGrid(batch_sizes, contexts, tokens,
+                        [[[base + slope * n * (1 + batch_growth * (b - 1)) for n in tokens] for _ in contexts]
+                         for b in batch_sizes])
+
+    return CostTable({"target": {}}, grid(fixed, target_per_token), grid(draft_fixed, draft_per_token))
+
+
+# ---- Algorithm 1 ------------------------------------------------------------------------------------------------
+
+def test_alg1_keeps_everything_worth_its_cost():
+    assert select_max_valid_index([0.9, 1.6, 2.0, 2.1], [0.1, 0.2, 0.3, 0.4], 3.0) == 3
+
+
+def test_alg1_crosses_a_single_non_concave_dip():
+    # item 2 adds little for its cost, item 3 a lot: measured from anchor 1, the pair 2-3 is still worth it
+    u, c = [1.0, 1.05, 2.0], [0.1, 0.2, 0.3]
+    assert select_max_valid_index(u, c, 4.0) == 3
+
+
+def test_alg1_equal_costs_keep_growing_utility():
+    # once the first item pays, later items at no extra cost are free utility
+    assert select_max_valid_index([0.5, 0.8, 0.9], [0.2, 0.2, 0.2], 2.0) == 3
+    assert select_max_valid_index([0.5, 0.8, 0.9], [0.2, 0.2, 0.2], 10.0) == 0
+
+
+def test_alg1_nothing_worth_keeping():
+    assert select_max_valid_index([0.1, 0.15], [1.0, 2.0], 1.0) == 0
+    assert select_max_valid_index([], [], 1.0) == 0
+    assert select_max_valid_index([0.5], [1.2], 1.0, base_cost=1.0) == 1  # 0.5 / 0.2 >= 1
+    assert select_max_valid_index([0.5], [1.9], 1.0, base_cost=1.0) == 0
+
+
+# ---- Theorem 4.1: linear cost + matching thresholds = EAGLE-2 ---------------------------------------------------
+
+class TheoremCast(CastPolicy):
+    """CAST whose thresholds are the theorem's: C1 = v(K)/lambda_D per layer, C3 = v(m-1)/lambda_T, no depth
+    pruning before `depth` layers."""
+
+    def __init__(self, costs, k, depth, total, lam_d, lam_t):
+        super().__init__(costs, 0, 0, 0, max_depth=depth, top_k=k, max_verify=10_000)
+        self.k, self.total, self.lam_d, self.lam_t = k, total, lam_d, lam_t
+
+    def threshold(self, which, scores, ctx):
+        if which == "breadth":
+            return float(scores[min(self.k, len(scores)) - 1]) / self.lam_d
+        if which == "verify":
+            return float(scores[min(self.total - 1, len(scores)) - 1]) / self.lam_t
+        return 0.0
+
+
+@pytest.mark.parametrize("k, depth, total", [(10, 5, 60), (2, 4, 9), (4, 3, 16), (3, 6, 30)])
+def test_theorem_4_1_linear_costs_reproduce_the_eagle2_tree(k, depth, total):
+    lam_d, lam_t = 0.05, 0.02
+    costs = table(lam_t, lam_d, fixed=1.0 - lam_t)  # normalised: c_T(n) = 1 + lam_t (n - 1), c_D(n) = lam_d n
+    eagle, _ = grow_tree(ScriptedDrafter(), Eagle2Policy(k, depth, total), [1, 2], StepContext(1, 16))
+    cast, _ = grow_tree(ScriptedDrafter(), TheoremCast(costs, k, depth, total, lam_d, lam_t), [1, 2],
+                        StepContext(1, 16))
+    assert torch.equal(cast.tokens, eagle.tokens) and torch.equal(cast.parents, eagle.parents)
+
+
+# ---- the cost model shapes the tree -------------------------------------------------------------------------
+
+def grown(policy, ctx=StepContext(1, 16)):
+    tree, record = grow_tree(ScriptedDrafter(), policy, [3], ctx)
+    return len(tree) - 1, record
+
+
+def test_a_flat_cost_gives_a_bigger_tree_than_a_steep_one():
+    flat = CastPolicy(table(0.002, 0.01), c1=2.0, c2=1.0, c3=1.5)
+    steep = CastPolicy(table(0.3, 0.25), c1=2.0, c2=1.0, c3=1.5)
+    flat_size, flat_record = grown(flat)
+    steep_size, steep_record = grown(steep)
+    assert flat_size > steep_size
+    assert flat_record.depth >= steep_record.depth
+
+
+def test_a_larger_batch_gets_a_smaller_tree():
+    costs = table(0.01, 0.02, batch_growth=1.0)  # per-token cost grows with the batch
+    sizes = [grown(CastPolicy(costs, c1=2.0, c2=1.0, c3=1.5), StepContext(b, 16))[0] for b in (1, 2, 4, 8)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+
+
+def test_auto_mode_follows_the_measured_goodput():
+    policy = CastPolicy(table(0.02, 0.02), auto=True)
+    before, _ = grown(policy)
+    for _ in range(20):  # the decoder reports 40 tokens per AR-step time: only very cheap nodes still pay
+        policy.observe(40, 1.0)
+    after, _ = grown(policy)
+    assert before > after
+
+
+def test_depth_pruning_stops_when_layers_stop_paying():
+    cheap = CastPolicy(table(0.001, 0.001), c1=0.5, c2=0.5, c3=0.5, max_depth=6)
+    _, record = grown(cheap)
+    assert record.depth == 6  # only the hard limit stops it
+    dear = CastPolicy(table(0.001, 0.2), c1=0.5, c2=50.0, c3=0.5, max_depth=6)
+    _, record = grown(dear)
+    assert record.depth == 1 and dear.trace["layers"][0]["stop"] == "depth_pruning"
+
+
+def test_trace_explains_the_choices():
+    policy = CastPolicy(table(0.01, 0.02), c1=2.0, c2=1.0, c3=1.5)
+    _, record = grown(policy)
+    trace = record.decisions
+    assert trace["layers"] and {"width", "utilities", "costs", "c1"} <= set(trace["layers"][0])
+    assert trace["verify_budget"] == record.verify_budget
+
+
+def test_a_table_without_drafter_costs_is_refused():
+    costs = table(0.01, 0.01)
+    costs.draft = None
+    with pytest.raises(CastspecError, match="drafter table"):
+        CastPolicy(costs)
+
+
+def test_random_trees_stay_valid():
+    rng = random.Random(0)
+    for _ in range(30):
+        policy = CastPolicy(table(rng.uniform(0, 0.2), rng.uniform(0, 0.3)), c1=rng.uniform(0, 5),
+                            c2=rng.uniform(0, 5), c3=rng.uniform(0, 5), max_depth=rng.randint(1, 8))
+        size, record = grown(policy)
+        assert 0 <= size <= record.pool_size and record.depth <= 8

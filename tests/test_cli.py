@@ -1,0 +1,71 @@
+"""Bad input through the CLI: one clear line on stderr, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from castspec.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "castspec.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "the prompt is empty"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens must be positive"),
+        (["--prompt", "hi", "--method", "beam"], "unknown method 'beam'"),
+        (["--prompt", "hi", "--drafter", "magic"], "unknown drafter 'magic'"),
+        (["--prompt", "hi", "--method", "chain"], "needs a drafter"),
+        (["--prompt", "hi", "--drafter", "ngram", "--dtype", "int3"], "unknown dtype"),
+        (["--prompts-file", "/nonexistent.jsonl"], "does not exist"),
+    ],
+)
+def test_bad_generate_input(capsys, args, message):
+    code = main(["generate", "--model", "smollm2-135m", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_missing_model_directory(capsys):
+    assert main(["generate", "--model", "./no/such/model", "--method", "ar", "--prompt", "hi"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_the_context_says_the_limit(capsys):
+    code = main(["generate", "--model", "smollm2-135m", "--method", "ar", "--prompt", "word " * 9000])
+    err = capsys.readouterr().err
+    assert code == 2 and "context holds 8192" in err
+
+
+def test_bad_prompts_file_line(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": 1, "prompt": "ok"}\n{"id": 2}\n')
+    assert main(["generate", "--model", "smollm2-135m", "--method", "ar", "--prompts-file", str(f)]) == 2
+    assert "p.jsonl:2" in capsys.readouterr().err
+
+
+def test_json_output_from_a_prompts_file(tmp_path):
+    f = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "prompt": "1, 2, 3, 4,"}, {"id": "b", "messages": [{"role": "user", "content": "Hi"}]}]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    proc = run("generate", "--model", "smollm2-135m", "--drafter", "ngram", "--method", "eagle2",
+               "--prompts-file", str(f), "--max-new-tokens", "8", "--dtype", "fp32", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [o["id"] for o in out] == ["a", "b"]
+    for o in out:
+        assert {"output_ids", "text", "steps", "accept_lengths", "wall_s"} <= set(o)
+        assert 1 <= len(o["output_ids"]) <= 8 and sum(o["accept_lengths"]) + 1 >= len(o["output_ids"])
+
+
+def test_uncaught_subprocess_error_is_one_line():
+    proc = run("generate", "--model", "smollm2-135m", "--method", "ar", "--prompt", "hi", "--max-new-tokens", "-3")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("castspec: error:")
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,118 @@
+"""Cost model: interpolation, monotonicity, storage and its errors (synthetic tables), and a real quick profile."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from castspec.cli import main
+from castspec.cost import CostGrid, CostTable, held_out_points
+from castspec.errors import CastspecError
+
+
+def linear_grid(batch_sizes=(1, 4), contexts=(128, 512), tokens=(1, 2, 4, 8)) -> CostGrid:
+    def f(b, c, n):
+        return 0.1 + 0.01 * b * n + 0.0001 * c
+
+    return CostGrid(list(batch_sizes), list(contexts), list(tokens),
+                    [[[f(b, c, n) for n in tokens] for c in contexts] for b in batch_sizes])
+
+
+def test_exact_on_the_grid_and_linear_between():
+    grid = linear_grid()
+    assert grid(1, 128, 4) == pytest.approx(0.1 + 0.04 + 0.0128)
+    assert grid(1, 320, 3) == pytest.approx(0.1 + 0.03 + 0.032)  # bilinear inside a cell
+    assert grid(2.5, 128, 2) == pytest.approx((grid(1, 128, 2) + grid(4, 128, 2)) / 2)
+
+
+def test_extrapolation_beyond_the_grid_keeps_the_trend():
+    grid = linear_grid()
+    assert grid(1, 1024, 16) == pytest.approx(0.1 + 0.16 + 0.1024)
+    assert grid(8, 128, 1) > grid(4, 128, 1)
+    assert grid(1, 16, 1) <= grid(1, 128, 1)
+
+
+def test_noisy_measurements_become_non_decreasing_in_n_and_c():
+    rng = random.Random(1)
+    tokens, contexts = [1, 2, 3, 4, 6, 8, 12, 16], [64, 128, 256, 512]
+    seconds = [[[0.1 + 0.005 * n + rng.uniform(-0.03, 0.03) for n in tokens] for _ in contexts]]
+    grid = CostGrid([1], contexts, tokens, seconds)
+    for c in range(64, 520, 7):
+        values = [grid(1, c, n / 4) for n in range(4, 65)]
+        assert all(b >= a - 1e-12 for a, b in zip(values, values[1:], strict=False))
+    for n in (1, 5, 16):
+        values = [grid(1, c, n) for c in range(64, 520, 5)]
+        assert all(b >= a - 1e-12 for a, b in zip(values, values[1:], strict=False))
+
+
+def test_normalised_costs():
+    table = CostTable({"target": {}}, linear_grid(), linear_grid())
+    assert table.normalised_target(1, 128, 1) == pytest.approx(1.0)
+    assert table.normalised_target(1, 128, 8) == pytest.approx(table.f_target(1, 128, 8) / table.f_target(1, 128, 1))
+    assert table.normalised_draft(4, 512, 2) == pytest.approx(table.f_draft(4, 512, 2) / table.f_target(4, 512, 1))
+
+
+def test_bad_axes_are_refused():
+    with pytest.raises(CastspecError, match="strictly increasing"):
+        CostGrid([1], [128, 64], [1], [[[1.0], [1.0]]])
+    with pytest.raises(CastspecError, match="do not match"):
+        CostGrid([1], [64], [1, 2], [[[1.0]]])
+
+
+KEY = {"device": "cpu-x", "threads": 2, "model": "m#1", "dtype": "bfloat16", "torch": "2", "transformers": "5"}
+
+
+def test_save_load_roundtrip_and_setup_key(tmp_path):
+    path = tmp_path / "t.json"
+    CostTable({"target": KEY}, linear_grid(), linear_grid(contexts=(64,))).save(path)
+    table = CostTable.load(path, expect=KEY)
+    assert table.f_target(4, 300, 5) == pytest.approx(linear_grid()(4, 300, 5))
+    other = {**KEY, "threads": 16, "dtype": "float32"}
+    with pytest.raises(CastspecError, match="another setup.*threads.*dtype"):
+        CostTable.load(path, expect=other)
+    assert CostTable.load(path, expect=other, force=True).draft is not None
+
+
+def test_corrupt_truncated_and_foreign_files(tmp_path):
+    path = tmp_path / "t.json"
+    CostTable({"target": KEY}, linear_grid()).save(path)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(CastspecError, match="corrupt or truncated"):
+        CostTable.load(path)
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(CastspecError, match="not a castspec cost table"):
+        CostTable.load(path)
+    data = json.loads(text)
+    del data["target"]["seconds"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(CastspecError, match="corrupt"):
+        CostTable.load(path)
+    with pytest.raises(CastspecError, match="does not exist"):
+        CostTable.load(tmp_path / "absent.json")
+
+
+def test_held_out_points_avoid_the_grid():
+    grid = linear_grid(contexts=(128, 256, 512), tokens=(1, 2, 4, 8, 16))
+    for b, c, n in held_out_points(grid, 30):
+        assert b in grid.batch_sizes and c not in grid.contexts and n not in grid.tokens
+        assert 128 <= c <= 512 and 1 <= n <= 16
+
+
+def test_quick_profile_of_smollm_gives_a_loadable_table(tmp_path, capsys):
+    out = tmp_path / "smollm.json"
+    assert main(["profile", "--model", "smollm2-135m", "--drafter", "ngram", "--quick", "--out", str(out)]) == 0
+    from castspec.cost import setup_key
+    from castspec.models import load_model
+
+    model, _ = load_model("smollm2-135m", "bf16")
+    table = CostTable.load(out, expect=setup_key(model))
+    assert table.meta["target"]["source"] == "smollm2-135m" and table.draft is not None
+    assert table.f_target(1, 100, 8) > 0 and table.f_target(2, 100, 8) >= table.f_target(2, 100, 1)
+    png = tmp_path / "curves.png"
+    assert main(["profile", "--plot", str(out), str(png)]) == 0 and png.stat().st_size > 10_000
+    assert main(["profile", "--validate", str(out), "--points", "3"]) == 0
+    assert "median error" in capsys.readouterr().out
+    assert "median_ape" in CostTable.load(out).validation["target"]

@@ -1,0 +1,131 @@
+"""Lossless greedy decoding, fp32, real weights: every method and drafter gives exactly HF's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from castspec import Engine
+from castspec.drafters.draft_model import DraftModelDrafter
+from castspec.drafters.ngram import NgramDrafter
+from castspec.policies import ChainPolicy, Eagle2Policy
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import numpy as np\n\ndef softmax(x):\n    \"\"\"Numerically stable softmax.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "SELECT name, COUNT(*) FROM orders",
+    "<html>\n<head>\n<title>",
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "Q: What is 17 * 23?\nA:",
+    "If a train travels 60 miles in 1.5 hours, its average speed is",
+    "Solve for x: 3x + 7 = 22. First, subtract 7 from both sides:",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat.",
+    "A B C D E F G H I J K L M N O P",
+    "Monday, Tuesday, Wednesday,",
+    "Translate to French: Good morning, how are you?",
+    "Here is a list of fruits:\n- apple\n- banana\n-",
+    "The quick brown fox",
+    "Photosynthesis is the process by which",
+    "#include <stdio.h>\n\nint main() {",
+    "Hello",
+]
+CHATS = [
+    [{"role": "user", "content": "Write a haiku about the ocean."}],
+    [{"role": "user", "content": "What is 2+2? Answer with a single number."}],
+]
+NEW_TOKENS = 24
+
+
+def engines(model, tokenizer):
+    yield "ar", Engine(model, tokenizer)
+    yield "chain-ngram", Engine(model, tokenizer, NgramDrafter(), ChainPolicy(4))
+    yield "eagle2-ngram", Engine(model, tokenizer, NgramDrafter(), Eagle2Policy())
+    yield "chain-draft", Engine(model, tokenizer, DraftModelDrafter(model), ChainPolicy(4))
+    yield "eagle2-draft", Engine(model, tokenizer, DraftModelDrafter(model), Eagle2Policy())
+    yield "eagle2-small-draft", Engine(model, tokenizer, DraftModelDrafter(model), Eagle2Policy(2, 3, 6))
+
+
+@pytest.mark.parametrize("case", range(len(PROMPTS) + len(CHATS)))
+def test_every_method_matches_hf_greedy(smollm, smollm_reference, case):
+    model, tokenizer = smollm
+    for name, engine in engines(model, tokenizer):
+        if case < len(PROMPTS):
+            ids = engine.encode(prompt=PROMPTS[case])
+        else:
+            ids = engine.encode(messages=CHATS[case - len(PROMPTS)])
+        expected = smollm_reference(tuple(ids), NEW_TOKENS)
+        got = engine.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        assert got.output_ids == expected, f"{name} differs from HF greedy on case {case}"
+        assert sum(got.accept_lengths) + 1 >= len(got.output_ids)
+
+
+def test_one_token_prompt(smollm, smollm_reference):
+    model, tokenizer = smollm
+    for name, engine in engines(model, tokenizer):
+        got = engine.generate(prompt_ids=[1], max_new_tokens=NEW_TOKENS)
+        assert got.output_ids == smollm_reference((1,), NEW_TOKENS), name
+
+
+def test_identical_draft_accepts_every_drafted_token(smollm):
+    model, tokenizer = smollm
+    engine = Engine(model, tokenizer, DraftModelDrafter(model), ChainPolicy(4))
+    got = engine.generate(prompt="def quicksort(items):", max_new_tokens=40)
+    assert all(step.accepted == step.tree_size + 1 for step in got.steps)
+    assert all(step.tree_size == 4 for step in got.steps[:-1])
+
+
+def test_eos_inside_an_accepted_path_ends_exactly_there(smollm, smollm_reference):
+    model, tokenizer = smollm
+    messages = [{"role": "user", "content": "Say hello."}]
+    for name, engine in engines(model, tokenizer):
+        ids = engine.encode(messages=messages)
+        expected = smollm_reference(tuple(ids), 64)
+        got = engine.generate(prompt_ids=ids, max_new_tokens=64)
+        assert got.output_ids == expected, name
+        assert got.stop_reason == "eos" and got.output_ids[-1] in engine.eos_ids
+    # with an identical draft the chain runs on past the EOS: the cut must happen inside an accepted path
+    cut_inside = []
+    for length in range(3, 9):
+        engine = Engine(model, tokenizer, DraftModelDrafter(model), ChainPolicy(length))
+        got = engine.generate(messages=messages, max_new_tokens=64)
+        assert got.output_ids == expected, length
+        emitted_before_last = 1 + sum(got.accept_lengths[:-1])
+        cut_inside.append(len(got.output_ids) - emitted_before_last < got.steps[-1].accepted)
+    assert any(cut_inside)
+
+
+def test_max_new_tokens_inside_a_tree_cuts_exactly(smollm, smollm_reference):
+    model, tokenizer = smollm
+    ids = Engine(model, tokenizer).encode(prompt="1, 2, 3, 4, 5, 6, 7, 8,")
+    for n in [1, 2, 3, 7]:
+        for name, engine in engines(model, tokenizer):
+            got = engine.generate(prompt_ids=ids, max_new_tokens=n)
+            assert got.output_ids == smollm_reference(tuple(ids), n), (name, n)
+
+
+def test_stop_string_ends_after_the_completing_token(smollm):
+    model, tokenizer = smollm
+    ar = Engine(model, tokenizer).generate(prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_new_tokens=30)
+    assert " 11" in ar.text
+    for name, engine in engines(model, tokenizer):
+        got = engine.generate(prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_new_tokens=30, stop=[" 11"])
+        assert got.stop_reason == "stop_string", name
+        assert got.output_ids == ar.output_ids[: len(got.output_ids)], name
+        assert " 11" not in tokenizer.decode(got.output_ids[:-1]), name
+
+
+def test_prompt_close_to_the_context_window(smollm, smollm_reference):
+    model, tokenizer = smollm
+    saved = model.config.max_position_embeddings
+    ids = (tokenizer("the cat sat on the mat. " * 40)["input_ids"])[:250]
+    try:
+        model.config.max_position_embeddings = 256
+        for name, engine in engines(model, tokenizer):
+            got = engine.generate(prompt_ids=ids, max_new_tokens=40)
+            assert len(got.output_ids) == 6, name
+            assert got.output_ids == smollm_reference(tuple(ids), 6), name
+            assert all(s.context_length + s.draft.depth < 256 for s in got.steps), name
+    finally:
+        model.config.max_position_embeddings = saved
