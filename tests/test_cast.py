@@ -6,13 +6,13 @@ import random
 
 import pytest
 import torch
+from test_drafting import ScriptedDrafter
 
 from castspec.cast import CastPolicy, select_max_valid_index
 from castspec.cost import CostGrid, CostTable
 from castspec.drafting import grow_tree
 from castspec.errors import CastspecError
 from castspec.policies import Eagle2Policy, StepContext
-from test_drafting import ScriptedDrafter
 
 
 def table(target_per_token: float, draft_per_token: float, *, fixed: float = 1.0, draft_fixed: float = 0.0,
