@@ -83,8 +83,8 @@ def test_theorem_4_1_linear_costs_reproduce_the_eagle2_tree(k, depth, total):
 
 # ---- the cost model shapes the tree -------------------------------------------------------------------------
 
-def grown(policy, ctx=StepContext(1, 16)):
-    tree, record = grow_tree(ScriptedDrafter(), policy, [3], ctx)
+def grown(policy, ctx: StepContext | None = None):
+    tree, record = grow_tree(ScriptedDrafter(), policy, [3], ctx or StepContext(1, 16))
     return len(tree) - 1, record
 
 
