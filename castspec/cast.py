@@ -82,6 +82,12 @@ class CastPolicy(Policy):
         utilities = (scores.double().cumsum(0) / b).tolist()
         draft_context = ctx.context_length + self._drafted
         costs = [self.costs.normalised_draft(b, draft_context, k) for k in range(1, len(utilities) + 1)]
+        if self.auto:
+            # a drafted node only pays off once verified: charge its share of the verify forward as well
+            verify = self.costs.normalised_target
+            base = verify(b, ctx.context_length, self._drafted + 1)
+            costs = [c + verify(b, ctx.context_length, self._drafted + 1 + k) - base
+                     for k, c in enumerate(costs, start=1)]
         c1 = self.threshold("breadth", scores, ctx)
         width = min(select_max_valid_index(utilities, costs, c1), self.top_k)
         entry = {"layer": layer, "candidates": len(utilities), "width": width, "c1": c1,

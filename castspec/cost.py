@@ -264,7 +264,10 @@ Timer = Callable[[int, int, int], float]
 
 
 def measure_grid(timer: Timer, batch_sizes: list[int], contexts: list[int], tokens: list[int],
-                 progress: Callable[[str], None] | None = None) -> CostGrid:
+                 progress: Callable[[str], None] | None = None, outlier_ratio: float = 1.3) -> CostGrid:
+    """Measure every grid point; then re-measure (once) each point that is over `outlier_ratio` times the
+    median of the same (B, n) across contexts, keeping the lower value: on a shared machine a burst of load
+    elsewhere can slow all repeats of one point, and the running maximum would carry that to larger contexts."""
     seconds = []
     for b in batch_sizes:
         plane = []
@@ -276,6 +279,13 @@ def measure_grid(timer: Timer, batch_sizes: list[int], contexts: list[int], toke
                     progress(f"B={b} c={c} n={n}: {row[-1] * 1e3:.1f} ms")
             plane.append(row)
         seconds.append(plane)
+    for bi, b in enumerate(batch_sizes):
+        for ni, n in enumerate(tokens):
+            column = [seconds[bi][ci][ni] for ci in range(len(contexts))]
+            typical = statistics.median(column)
+            for ci, c in enumerate(contexts):
+                if len(contexts) >= 3 and column[ci] > outlier_ratio * typical:
+                    seconds[bi][ci][ni] = min(column[ci], timer(b, c, n))
     return CostGrid(list(batch_sizes), list(contexts), list(tokens), seconds)
 
 

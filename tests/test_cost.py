@@ -116,3 +116,18 @@ def test_quick_profile_of_smollm_gives_a_loadable_table(tmp_path, capsys):
     assert main(["profile", "--validate", str(out), "--points", "3"]) == 0
     assert "median error" in capsys.readouterr().out
     assert "median_ape" in CostTable.load(out).validation["target"]
+
+
+def test_a_point_slowed_by_a_load_burst_is_measured_again():
+    from castspec.cost import measure_grid
+
+    calls = []
+
+    def timer(b, c, n):
+        calls.append((b, c, n))
+        burst = (c, n) == (512, 8) and calls.count((b, c, n)) == 1
+        return (0.1 + 0.01 * n) * (3.0 if burst else 1.0)
+
+    grid = measure_grid(timer, [1], [128, 512, 2048], [1, 4, 8])
+    assert calls.count((1, 512, 8)) == 2 and len(calls) == 10
+    assert grid.seconds[0][1][2] == pytest.approx(0.18)
