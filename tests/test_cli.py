@@ -69,3 +69,30 @@ def test_uncaught_subprocess_error_is_one_line():
     proc = run("generate", "--model", "smollm2-135m", "--method", "ar", "--prompt", "hi", "--max-new-tokens", "-3")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("castspec: error:")
     assert "Traceback" not in proc.stderr
+
+
+def test_cast_uses_a_cost_table_and_writes_a_decision_trace(tmp_path):
+    from test_exactness import flat_costs
+
+    table, trace = tmp_path / "t.json", tmp_path / "trace.jsonl"
+    flat_costs().save(table)
+    args = ["generate", "--model", "smollm2-135m", "--drafter", "ngram", "--method", "cast", "--cost-table",
+            str(table), "--prompt", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1,", "--max-new-tokens", "12", "--dtype", "fp32"]
+    refused = run(*args)
+    assert refused.returncode == 2 and "measured on another setup" in refused.stderr
+    proc = run(*args, "--force-table", "--cast-mode", "paper", "--trace", str(trace), "--json")
+    assert proc.returncode == 0, proc.stderr
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert steps and all({"layer_sizes", "widths", "verify_budget", "policy"} <= set(s) for s in steps)
+    drafted = [s for s in steps if s["layer_sizes"]]
+    assert drafted and all("layers" in s["policy"] and "verify_budget" in s["policy"] for s in drafted)
+
+
+def test_cast_without_any_table_says_how_to_make_one(tmp_path, monkeypatch, capsys):
+    from castspec.models import converted_dir, fetch
+
+    fetch("smollm2-135m")
+    model_dir = str(converted_dir("smollm2-135m"))
+    monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))  # no tables here
+    code = main(["generate", "--model", model_dir, "--drafter", "ngram", "--method", "cast", "--prompt", "hi"])
+    assert code == 2 and "needs a cost table" in capsys.readouterr().err
