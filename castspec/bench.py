@@ -63,7 +63,9 @@ class _HfBaseline:
 
 
 def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
-                  max_new_tokens: int, warmup: int = 1) -> dict:
+                  max_new_tokens: int, warmup: int = 1, partial: Path | None = None) -> dict:
+    """Run every method on every prompt. With `partial`, each finished generation is appended there as a JSON
+    line at once, so an interrupted run keeps what it measured."""
     runners = {}
     for spec in specs:
         if spec.method.startswith("hf-"):
@@ -95,6 +97,9 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
             rows.append({"prompt_id": prompt["id"], "task": prompt.get("task", "custom"), "method": label,
                          "new_tokens": len(output), "wall_s": wall, "tokens_per_s": len(output) / wall,
                          "output_ids": output, **extra})
+            if partial is not None:
+                with open(partial, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
             progress.update()
     progress.close()
     return {"meta": _meta(max_new_tokens, len(prompts)), "rows": rows, "summary": summarise(rows)}

@@ -185,7 +185,11 @@ def _cmd_bench(args) -> None:
     prompts = _prompts(args.sets, args.per_set, args.offset)
     if args.limit > 0:
         prompts = prompts[: args.limit]
-    result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens)
+    partial = Path(args.out_dir) / f"{args.name}.partial.jsonl"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.unlink(missing_ok=True)
+    result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=partial)
+    partial.unlink(missing_ok=True)
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     title = f"{args.model} ({args.dtype}), draft {args.draft}, {len(prompts)} prompts, {args.max_new_tokens} new tokens"
     save_results(result, Path(args.out_dir), args.name, command, title)
