@@ -77,6 +77,17 @@ class CastPolicy(Policy):
         self._drafted = 0
         self.trace = {"context": ctx.context_length, "batch_size": ctx.batch_size, "layers": []}
 
+    def should_draft(self, ctx: StepContext) -> bool:
+        """Auto mode: draft only if some chain could beat AR even at the best: d drafted tokens, all accepted,
+        must be worth more than their cost (d draft forwards of one node plus the wider verify forward). Where
+        no depth passes, speculation cannot pay on this hardware and the step is plain AR."""
+        if not self.auto:
+            return True
+        b, c = ctx.batch_size, ctx.context_length
+        step = self.costs.normalised_draft(b, c, 1)
+        return any(d > d * step + self.costs.normalised_target(b, c, d + 1) - 1.0
+                   for d in range(1, min(self.max_depth, ctx.depth_limit) + 1))
+
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
         b = ctx.batch_size
         utilities = (scores.double().cumsum(0) / b).tolist()

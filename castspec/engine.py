@@ -60,7 +60,7 @@ def decode(
     root = int(target.prefill(prompt_ids).argmax())
     if stop.push(output, root):
         return output, steps
-    new_tokens = prompt_ids + [root]
+    unseen = prompt_ids + [root]  # accepted tokens the drafter has not absorbed yet (it may skip steps)
     if drafter is not None:
         drafter.reset()
     window = target.max_positions or 1 << 30
@@ -68,8 +68,9 @@ def decode(
         t0 = _clock(target.device)
         ctx = StepContext(1, target.length, min(stop.max_new_tokens - len(output), window - target.length) - 1)
         tree, record = DraftTree.single(root), DraftRecord()
-        if drafter is not None and policy is not None and ctx.depth_limit > 0:
-            tree, record = grow_tree(drafter, policy, new_tokens, ctx)
+        if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
+            tree, record = grow_tree(drafter, policy, unseen, ctx)
+            unseen = []
         t1 = _clock(target.device)
         logits, _ = target.verify(tree)
         path, bonus = greedy_accept(tree, logits)
@@ -81,4 +82,5 @@ def decode(
         if any(stop.push(output, token) for token in new_tokens):
             return output, steps
         target.commit([0, *path])
+        unseen += new_tokens
         root = bonus

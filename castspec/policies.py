@@ -33,6 +33,10 @@ class Policy(ABC):
     def start_step(self, ctx: StepContext) -> None:  # noqa: B027 - stateless policies need nothing here
         """Called before each step's drafting."""
 
+    def should_draft(self, ctx: StepContext) -> bool:
+        """Whether to draft at all this step (False: a plain AR step; the drafter catches up later)."""
+        return True
+
     def observe(self, tokens: int, seconds: float) -> None:  # noqa: B027 - only adaptive policies listen
         """Called after each step with the tokens it emitted and its wall time (draft + verify)."""
 

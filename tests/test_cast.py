@@ -143,3 +143,11 @@ def test_random_trees_stay_valid():
                             c2=rng.uniform(0, 5), c3=rng.uniform(0, 5), max_depth=rng.randint(1, 8))
         size, record = grown(policy)
         assert 0 <= size <= record.pool_size and record.depth <= 8
+
+
+def test_auto_mode_skips_drafting_where_even_perfect_acceptance_cannot_pay():
+    ctx = StepContext(1, 16)
+    # each extra verified token costs 0.7 AR steps and each drafted one 0.4: d tokens cost 1.1 d > d
+    assert not CastPolicy(table(0.7, 0.4, fixed=0.3), auto=True).should_draft(ctx)
+    assert CastPolicy(table(0.05, 0.1, fixed=0.95), auto=True).should_draft(ctx)
+    assert CastPolicy(table(0.7, 0.4, fixed=0.3), auto=False).should_draft(ctx)  # the paper always drafts

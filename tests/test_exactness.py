@@ -158,3 +158,27 @@ def test_cast_matches_hf_greedy_with_every_drafter(smollm, smollm_reference, cas
         assert got.output_ids == smollm_reference(tuple(ids), NEW_TOKENS), name
         if name == "cast-auto-draft":
             assert max(s.tree_size for s in got.steps) > 1  # a real tree was verified, not plain AR
+
+
+class SometimesChain(ChainPolicy):
+    """Drafts on every third step only: the drafter must catch up on the tokens of the steps it skipped."""
+
+    def __init__(self):
+        super().__init__(3)
+        self.calls = 0
+
+    def should_draft(self, ctx):
+        self.calls += 1
+        return self.calls % 3 == 0
+
+
+@pytest.mark.parametrize("case", [0, 11, 13])
+def test_skipped_draft_steps_catch_up_exactly(smollm, smollm_reference, case):
+    model, tokenizer = smollm
+    for drafter in (DraftModelDrafter(model), NgramDrafter()):
+        engine = Engine(model, tokenizer, drafter, SometimesChain())
+        ids = engine.encode(prompt=PROMPTS[case])
+        got = engine.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        assert got.output_ids == smollm_reference(tuple(ids), NEW_TOKENS), drafter.name
+        sizes = [s.tree_size for s in got.steps]
+        assert 0 in sizes and (drafter.name == "ngram" or max(sizes) == 3)
