@@ -14,6 +14,7 @@ from castspec.engine import StepStats, StopCondition, decode
 from castspec.errors import CastspecError
 from castspec.models import castspec_home, load_model
 from castspec.policies import ChainPolicy, Eagle2Policy, Policy
+from castspec.sampling import SamplingParams
 from castspec.target import Target
 
 METHODS = ("ar", "chain", "eagle2", "cast")
@@ -155,10 +156,21 @@ class Engine:
         return list(ids)
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None, max_new_tokens: int = 128,
-                 stop: list[str] | None = None, prompt_ids: list[int] | None = None) -> Generation:
-        """Greedy generation, token-identical to the target's own greedy decoding."""
+                 stop: list[str] | None = None, prompt_ids: list[int] | None = None, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 draft_sampling: str = "topk") -> Generation:
+        """Greedy generation (temperature 0) is token-identical to the target's own greedy decoding; with
+        temperature > 0 the output is distributed exactly as plain sampling with the same temperature, top_p and
+        top_k, and the same seed repeats the same output. `draft_sampling`: the drafter proposes its top-k
+        ("topk") or draws its candidates from its own distribution ("sample", draft models only)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise CastspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        sampling = SamplingParams(temperature, top_p, top_k, seed)
+        if draft_sampling not in ("topk", "sample"):
+            raise CastspecError(f"draft_sampling must be 'topk' or 'sample', got {draft_sampling!r}")
+        generator = None if sampling.greedy else sampling.generator()
+        if self.drafter is not None:
+            self.drafter.sample_candidates(sampling if draft_sampling == "sample" else None, generator)
         ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, messages)
         if not ids:
             raise CastspecError("the prompt is empty")
@@ -170,7 +182,7 @@ class Engine:
             max_new_tokens = min(max_new_tokens, limit - len(ids))
         condition = StopCondition(max_new_tokens, self.eos_ids, stop or [], self.tokenizer)
         start = time.perf_counter()
-        output, steps = decode(self.target, self.drafter, self.policy, ids, condition)
+        output, steps = decode(self.target, self.drafter, self.policy, ids, condition, sampling, generator)
         wall = time.perf_counter() - start
         text = self.tokenizer.decode(output, skip_special_tokens=True)
         return Generation(text, output, len(ids), condition.reason or "max_new_tokens", wall, steps)

@@ -5,6 +5,7 @@ speed-up = mean tokens/s of a method / mean tokens/s of AR; tau = new tokens / t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
@@ -20,6 +21,7 @@ from castspec.api import Engine, drafter_identity, find_cost_table, make_policy
 from castspec.cost import setup_key
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
+from castspec.sampling import SamplingParams
 
 
 @dataclass
@@ -51,10 +53,18 @@ class _HfBaseline:
     def __init__(self, model, tokenizer, method: str, draft_model) -> None:
         self.model, self.tokenizer, self.method, self.draft = model, tokenizer, method, draft_model
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], int | None]:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None
+                 ) -> tuple[list[int], int | None]:
         ids = torch.tensor([prompt_ids])
         extra = {"assistant_model": self.draft} if self.method == "hf-assisted" else {"prompt_lookup_num_tokens": 10}
-        config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+        if sampling is not None and not sampling.greedy:
+            extra.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                         top_k=sampling.top_k or None)
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+        else:
+            extra["do_sample"] = False
+        config = transformers.GenerationConfig(max_new_tokens=max_new_tokens,
                                                eos_token_id=self.model.generation_config.eos_token_id,
                                                pad_token_id=self.tokenizer.pad_token_id)
         with torch.inference_mode():
@@ -63,9 +73,11 @@ class _HfBaseline:
 
 
 def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
-                  max_new_tokens: int, warmup: int = 1, partial: Path | None = None) -> dict:
+                  max_new_tokens: int, warmup: int = 1, partial: Path | None = None,
+                  sampling: SamplingParams | None = None, draft_sampling: str = "topk") -> dict:
     """Run every method on every prompt. With `partial`, each finished generation is appended there as a JSON
-    line at once, so an interrupted run keeps what it measured."""
+    line at once, so an interrupted run keeps what it measured. With `sampling`, every method samples with the
+    same parameters and seed."""
     runners = {}
     for spec in specs:
         if spec.method.startswith("hf-"):
@@ -86,14 +98,14 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
                for p in prompts]
     for runner in runners.values():  # warm-up: kernels, allocator, caches
         for ids in encoded[:warmup]:
-            _run(runner, ids, min(16, max_new_tokens))
+            _run(runner, ids, min(16, max_new_tokens), sampling, draft_sampling)
     rows = []
     progress = tqdm(total=len(prompts) * len(specs), desc="benchmark", unit="gen")
     for prompt, ids in zip(prompts, encoded, strict=True):
         # methods interleaved per prompt so that machine noise hits them alike
         for label, runner in runners.items():
             progress.set_postfix_str(f"{prompt['id']} {label}")
-            output, wall, extra = _run(runner, ids, max_new_tokens)
+            output, wall, extra = _run(runner, ids, max_new_tokens, sampling, draft_sampling)
             rows.append({"prompt_id": prompt["id"], "task": prompt.get("task", "custom"), "method": label,
                          "new_tokens": len(output), "wall_s": wall, "tokens_per_s": len(output) / wall,
                          "output_ids": output, **extra})
@@ -102,25 +114,35 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
                     f.write(json.dumps(rows[-1]) + "\n")
             progress.update()
     progress.close()
-    return {"meta": _meta(max_new_tokens, len(prompts)), "rows": rows, "summary": summarise(rows)}
+    meta = _meta(max_new_tokens, len(prompts))
+    if sampling is not None and not sampling.greedy:
+        meta["sampling"] = {**dataclasses.asdict(sampling), "draft_sampling": draft_sampling}
+    return {"meta": meta, "rows": rows, "summary": summarise(rows, compare_outputs="sampling" not in meta)}
 
 
-def _run(runner, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, dict]:
+def _run(runner, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+         draft_sampling: str = "topk") -> tuple[list[int], float, dict]:
     start = time.perf_counter()
     if isinstance(runner, Engine):
-        g = runner.generate(prompt_ids=ids, max_new_tokens=max_new_tokens)
+        options = {}
+        if sampling is not None and not sampling.greedy:
+            sampled_drafts = draft_sampling if isinstance(runner.drafter, DraftModelDrafter) else "topk"
+            options = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                       "seed": sampling.seed, "draft_sampling": sampled_drafts}
+        g = runner.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, **options)
         wall = time.perf_counter() - start
         extra = {"steps": len(g.steps), "mean_accepted": g.mean_accepted,
                  "mean_tree_size": statistics.fmean(s.tree_size for s in g.steps) if g.steps else 0.0,
                  "mean_depth": statistics.fmean(s.draft.depth for s in g.steps) if g.steps else 0.0,
                  "draft_s": sum(s.draft_s for s in g.steps), "verify_s": sum(s.verify_s for s in g.steps)}
         return g.output_ids, wall, extra
-    output, _ = runner.generate(ids, max_new_tokens)
+    output, _ = runner.generate(ids, max_new_tokens, sampling)
     return output, time.perf_counter() - start, {}
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Per task (and 'all') and method: mean tokens/s, speed-up over AR, tau, tree size, depth, AR agreement."""
+def summarise(rows: list[dict], compare_outputs: bool = True) -> list[dict]:
+    """Per task (and 'all') and method: mean tokens/s, speed-up over AR, tau, tree size, depth, and (greedy
+    runs only: sampled outputs differ by design) how many outputs equal AR's."""
     out = []
     tasks = sorted({r["task"] for r in rows}) + ["all"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -138,7 +160,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                 row["tau"] = round(sum(r["new_tokens"] - 1 for r in mine) / steps, 3) if steps else None
                 row["mean_tree_size"] = round(statistics.fmean(r["mean_tree_size"] for r in mine), 2)
                 row["mean_depth"] = round(statistics.fmean(r["mean_depth"] for r in mine), 2)
-            if ar:
+            if ar and compare_outputs:
                 row["same_as_ar"] = sum(r["output_ids"] == ar[r["prompt_id"]]["output_ids"] for r in mine)
             out.append(row)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -36,6 +37,23 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", help="write each step's tree decisions to this JSONL file")
 
 
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (default: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    g.add_argument("--sample-top-k", type=int, default=0,
+                   help="sample among the k most likely tokens (0 = all; --top-k is the eagle2 tree option)")
+    g.add_argument("--seed", type=int, help="random seed: the same seed repeats the same output")
+    g.add_argument("--draft-sampling", choices=["topk", "sample"], default="topk",
+                   help="drafter proposes its top-k (default) or draws candidates from its own distribution")
+
+
+def _sampling(args):
+    from castspec.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="castspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     _policy_args(gen)
+    _sampling_args(gen)
 
     bench = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench protocol)")
     bench.add_argument("--model", default=DEFAULT_TARGET)
@@ -76,6 +95,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bf16")
     bench.add_argument("--out-dir", default="bench")
     bench.add_argument("--name", default="bench")
+    _sampling_args(bench)
 
     prof = sub.add_parser("profile", help="measure, validate or plot a cost table f(B, c, n)")
     prof.add_argument("--model", help="target model (registry name, directory or hub id)")
@@ -123,6 +143,7 @@ def _cmd_generate(args) -> None:
         raise CastspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.prompt is not None and not args.prompt.strip():
         raise CastspecError("the prompt is empty")
+    sampling = _sampling(args)  # bad values fail here, before the slow model load
     rows = read_prompts_file(args.prompts_file) if args.prompts_file else [{"id": 0, "prompt": args.prompt}]
     options = {"chain_length": args.chain_length, "top_k": args.top_k, "depth": args.depth,
                "total_tokens": args.total_tokens}
@@ -139,7 +160,9 @@ def _cmd_generate(args) -> None:
             kwargs = {"messages": [{"role": "user", "content": row["prompt"]}]}
         else:
             kwargs = {"prompt": row["prompt"]}
-        g = engine.generate(**kwargs, max_new_tokens=args.max_new_tokens, stop=args.stop)
+        g = engine.generate(**kwargs, max_new_tokens=args.max_new_tokens, stop=args.stop,
+                            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                            seed=sampling.seed, draft_sampling=args.draft_sampling)
         if trace is not None:
             for number, step in enumerate(g.steps):
                 trace.write(json.dumps({"id": row["id"], "step": number, "accepted": step.accepted,
@@ -181,6 +204,9 @@ def _cmd_bench(args) -> None:
     from castspec.bench import parse_methods, run_benchmark, save_results
 
     specs = parse_methods(args.methods)
+    sampling = _sampling(args)
+    if not sampling.greedy and sampling.seed is None:
+        sampling = dataclasses.replace(sampling, seed=0)  # every method draws from the same seed per prompt
     target, tokenizer, draft = _load_pair(args.model, args.draft, args.dtype)
     prompts = _prompts(args.sets, args.per_set, args.offset)
     if args.limit > 0:
@@ -188,10 +214,13 @@ def _cmd_bench(args) -> None:
     partial = Path(args.out_dir) / f"{args.name}.partial.jsonl"
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.unlink(missing_ok=True)
-    result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=partial)
+    result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=partial,
+                           sampling=sampling, draft_sampling=args.draft_sampling)
     partial.unlink(missing_ok=True)
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     title = f"{args.model} ({args.dtype}), draft {args.draft}, {len(prompts)} prompts, {args.max_new_tokens} new tokens"
+    if not sampling.greedy:
+        title += f", T={sampling.temperature:g}"
     save_results(result, Path(args.out_dir), args.name, command, title)
     from castspec.bench import markdown_table
 

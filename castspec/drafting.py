@@ -8,7 +8,7 @@ import torch
 
 from castspec.drafters.base import Candidates, Drafter
 from castspec.policies import Policy, StepContext
-from castspec.tree import DraftTree
+from castspec.tree import DraftTree, Proposal
 
 
 @dataclass
@@ -34,9 +34,14 @@ class _Pool:
 
     def __init__(self, root_token: int) -> None:
         self.tokens, self.parents, self.scores = [root_token], [-1], [1.0]
+        self.proposals: dict[int, Proposal] = {}
 
     def add_layer(self, frontier: list[int], cands: Candidates) -> tuple[list[int], torch.Tensor]:
         """Append the frontier's children, best first; returns their pool indices and sorted scores."""
+        if cands.proposal is not None:
+            for row, node in enumerate(frontier):
+                drawn = cands.tokens[row][cands.probs[row] > 0].tolist()
+                self.proposals[node] = Proposal(drawn, cands.proposal[row])
         parent_scores = torch.tensor([self.scores[p] for p in frontier])
         scores = (cands.probs * parent_scores[:, None]).flatten()
         parents = torch.tensor(frontier).repeat_interleave(cands.probs.shape[1])
@@ -51,7 +56,7 @@ class _Pool:
         return list(range(first, len(self.tokens))), scores[order]
 
     def tree(self) -> DraftTree:
-        return DraftTree.from_lists(self.tokens, self.parents, self.scores)
+        return DraftTree.from_lists(self.tokens, self.parents, self.scores, self.proposals)
 
 
 def grow_tree(

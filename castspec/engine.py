@@ -10,9 +10,10 @@ import torch
 from castspec.drafters.base import Drafter
 from castspec.drafting import DraftRecord, grow_tree
 from castspec.policies import Policy, StepContext
+from castspec.sampling import SamplingParams
 from castspec.target import Target
 from castspec.tree import DraftTree
-from castspec.verify import greedy_accept
+from castspec.verify import accept
 
 
 @dataclass
@@ -53,11 +54,14 @@ def _clock(device: torch.device) -> float:
 
 
 def decode(
-    target: Target, drafter: Drafter | None, policy: Policy | None, prompt_ids: list[int], stop: StopCondition
+    target: Target, drafter: Drafter | None, policy: Policy | None, prompt_ids: list[int], stop: StopCondition,
+    sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
 ) -> tuple[list[int], list[StepStats]]:
+    """Greedy when `sampling` is None or has temperature 0; otherwise every emitted token is distributed
+    exactly as plain sampling with `sampling` would draw it, using `generator` for every random choice."""
     output: list[int] = []
     steps: list[StepStats] = []
-    root = int(target.prefill(prompt_ids).argmax())
+    _, root = accept(DraftTree.single(-1), target.prefill(prompt_ids)[None], sampling, generator)
     if stop.push(output, root):
         return output, steps
     unseen = prompt_ids + [root]  # accepted tokens the drafter has not absorbed yet (it may skip steps)
@@ -73,7 +77,7 @@ def decode(
             unseen = []
         t1 = _clock(target.device)
         logits, _ = target.verify(tree)
-        path, bonus = greedy_accept(tree, logits)
+        path, bonus = accept(tree, logits, sampling, generator)
         t2 = _clock(target.device)
         new_tokens = tree.tokens[path].tolist() + [bonus]
         steps.append(StepStats(len(new_tokens), len(tree) - 1, t1 - t0, t2 - t1, ctx.context_length, record))

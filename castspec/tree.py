@@ -9,9 +9,18 @@ per-node quantity that depends on the ancestors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """How a node's children were drawn when the drafter samples: `tokens` in draw order, without replacement,
+    from the distribution `q` [V]. Verification needs every drawn token, also the ones the policy did not keep."""
+
+    tokens: list[int]
+    q: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,7 @@ class DraftTree:
     parents: torch.Tensor  # [n] int64, root's parent is -1
     scores: torch.Tensor  # [n] float32, root's score is 1
     depths: torch.Tensor  # [n] int64
+    proposals: dict[int, Proposal] = field(default_factory=dict, compare=False)  # sampled drafting only
 
     @staticmethod
     def single(root_token: int) -> DraftTree:
@@ -29,7 +39,8 @@ class DraftTree:
         )
 
     @staticmethod
-    def from_lists(tokens: list[int], parents: list[int], scores: list[float]) -> DraftTree:
+    def from_lists(tokens: list[int], parents: list[int], scores: list[float],
+                   proposals: dict[int, Proposal] | None = None) -> DraftTree:
         if not tokens or parents[0] != -1:
             raise ValueError("a tree needs a root at index 0 with parent -1")
         depths = [0] * len(tokens)
@@ -42,6 +53,7 @@ class DraftTree:
             torch.tensor(parents, dtype=torch.long),
             torch.tensor(scores, dtype=torch.float32),
             torch.tensor(depths, dtype=torch.long),
+            dict(proposals or {}),
         )
 
     def __len__(self) -> int:
@@ -101,4 +113,6 @@ class DraftTree:
         new_parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
         if bool((new_parents[1:] < 0).any()):
             raise ValueError("the kept nodes are not closed under taking parents")
-        return DraftTree(self.tokens[keep], new_parents, self.scores[keep], self.depths[keep])
+        kept = set(keep.tolist())
+        proposals = {int(new_index[node]): prop for node, prop in self.proposals.items() if node in kept}
+        return DraftTree(self.tokens[keep], new_parents, self.scores[keep], self.depths[keep], proposals)

@@ -1,10 +1,26 @@
-"""Verification: which drafted nodes the target accepts. Pure tensor code, no model."""
+"""Verification: which drafted nodes the target accepts, and the token that follows them. Pure tensor code.
+
+Greedy: walk into the child holding the target's argmax. Sampling: at each node the emitted token must be
+distributed exactly as the target's (warped) distribution p there, whatever the drafter proposed:
+
+- deterministic candidates (top-k, n-gram): sequential rejection. Try the children in order; accept x with
+  probability p(x); on rejection set p(x) = 0 and renormalise. If every child is rejected, draw from what is
+  left of p. (Each child is accepted with exactly its share of p, so the emitted token is distributed as p.)
+- sampled candidates (drawn without replacement from the drafter's q, in draw order): recursive rejection
+  sampling. Accept x_i with probability min(1, p(x_i) / q_i(x_i)); on rejection p <- norm(max(p - q_i, 0)) and
+  q_{i+1} = q_i without x_i, renormalised; draw from the final residual p if all are rejected. A drawn token the
+  policy cut from the tree may still be accepted: it is then emitted and the step ends there.
+
+Both rules are the single-draft rejection lemma applied recursively: P(emit y) = min(p, q)(y) + P(reject) *
+residual(y) = p(y).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from castspec.tree import DraftTree
+from castspec.sampling import SamplingParams, draw, warp
+from castspec.tree import DraftTree, Proposal
 
 
 def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
@@ -13,12 +29,85 @@ def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[in
     Returns the accepted path (node indices, root excluded) and the bonus token: the target's argmax at the
     last accepted node. Emitting path tokens + bonus is exactly what greedy decoding would emit."""
     choice = target_logits.argmax(dim=-1).tolist()
-    child_of: dict[tuple[int, int], int] = {}
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
-        if node > 0:
-            child_of.setdefault((parent, token), node)
+    child_of = _child_index(tree)
     path, node = [], 0
     while (node, choice[node]) in child_of:
         node = child_of[(node, choice[node])]
         path.append(node)
     return path, choice[node]
+
+
+def _child_index(tree: DraftTree) -> dict[tuple[int, int], int]:
+    child_of: dict[tuple[int, int], int] = {}
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
+        if node > 0:
+            child_of.setdefault((parent, token), node)
+    return child_of
+
+
+def _uniform(generator: torch.Generator) -> float:
+    return float(torch.rand((), generator=generator))
+
+
+def _normalised(dist: torch.Tensor) -> torch.Tensor | None:
+    total = float(dist.sum())
+    return dist / total if total > 0 else None
+
+
+def emit_from_candidates(p: torch.Tensor, candidates: list[int], generator: torch.Generator) -> int:
+    """Sequential rejection over deterministic candidates; returns the emitted token (a candidate or not)."""
+    p = p.clone()
+    for token in candidates:
+        if _uniform(generator) < float(p[token]):
+            return token
+        p[token] = 0
+        p = _normalised(p)
+        if p is None:  # the candidates held all of p's mass; unreachable except through rounding
+            return token
+    return draw(p, generator)
+
+
+def emit_from_proposal(p: torch.Tensor, proposal: Proposal, generator: torch.Generator) -> int:
+    """Recursive rejection sampling over tokens drawn without replacement from `proposal.q`."""
+    p, q = p.clone(), proposal.q.float().to(p.device).clone()
+    for token in proposal.tokens:
+        q_token = float(q[token])
+        if q_token > 0 and _uniform(generator) * q_token < float(p[token]):
+            return token
+        residual = _normalised((p - q).clamp(min=0))
+        p = residual if residual is not None else p  # p == q: rejection had probability 0
+        q[token] = 0
+        remaining = _normalised(q)
+        if remaining is None:
+            break
+        q = remaining
+    return draw(p, generator)
+
+
+def sample_accept(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], int]:
+    """Walk down from the root while the emitted token is a verified child. `target_probs`: [n, V], the warped
+    target distribution at every node. Returns the accepted path (root excluded) and the token emitted after
+    it (a fresh draw, or an accepted drafted token that was not verified)."""
+    child_of = _child_index(tree)
+    children: dict[int, list[int]] = {}
+    for (parent, token), _ in sorted(child_of.items(), key=lambda item: item[1]):
+        children.setdefault(parent, []).append(token)
+    path, node = [], 0
+    while True:
+        proposal = tree.proposals.get(node)
+        if proposal is not None:
+            token = emit_from_proposal(target_probs[node], proposal, generator)
+        else:
+            token = emit_from_candidates(target_probs[node], children.get(node, []), generator)
+        if (node, token) not in child_of:
+            return path, token
+        node = child_of[(node, token)]
+        path.append(node)
+
+
+def accept(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams | None,
+           generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Greedy or sampling verification of one verified tree."""
+    if sampling is None or sampling.greedy:
+        return greedy_accept(tree, target_logits)
+    return sample_accept(tree, warp(target_logits, sampling), generator)

@@ -72,7 +72,7 @@ def test_uncaught_subprocess_error_is_one_line():
 
 
 def test_cast_uses_a_cost_table_and_writes_a_decision_trace(tmp_path):
-    from test_exactness import flat_costs
+    from synthetic import flat_costs
 
     table, trace = tmp_path / "t.json", tmp_path / "trace.jsonl"
     flat_costs().save(table)
@@ -96,3 +96,9 @@ def test_cast_without_any_table_says_how_to_make_one(tmp_path, monkeypatch, caps
     monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))  # no tables here
     code = main(["generate", "--model", model_dir, "--drafter", "ngram", "--method", "cast", "--prompt", "hi"])
     assert code == 2 and "needs a cost table" in capsys.readouterr().err
+
+
+def test_bad_sampling_options_fail_before_loading_a_model():
+    for flag, value, word in [("--temperature", "-1", "temperature"), ("--sample-top-k", "-2", "top_k")]:
+        proc = run("generate", "--model", "no-such-model", "--method", "ar", "--prompt", "hi", flag, value)
+        assert proc.returncode == 2 and word in proc.stderr and "Traceback" not in proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from synthetic import flat_costs
 
 from castspec import Engine
 from castspec.drafters.draft_model import DraftModelDrafter
@@ -129,16 +130,6 @@ def test_prompt_close_to_the_context_window(smollm, smollm_reference):
             assert all(s.context_length + s.draft.depth < 256 for s in got.steps), name
     finally:
         model.config.max_position_embeddings = saved
-
-
-def flat_costs():
-    """A synthetic table on which extra tokens are cheap, so that CAST grows real trees."""
-    from castspec.cost import CostGrid, CostTable
-
-    tokens = list(range(1, 65))
-    grid = CostGrid([1, 8], [16, 8192], tokens, [[[1.0 + 0.01 * n * b for n in tokens]] * 2 for b in (1, 8)])
-    draft = CostGrid([1, 8], [16, 8192], tokens, [[[0.05 + 0.01 * n * b for n in tokens]] * 2 for b in (1, 8)])
-    return CostTable({"target": {}}, grid, draft)
 
 
 @pytest.mark.parametrize("case", [0, 2, 5, 7, 10, 11, 16, 19])

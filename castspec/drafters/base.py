@@ -7,16 +7,21 @@ from dataclasses import dataclass
 
 import torch
 
+from castspec.errors import CastspecError
+from castspec.sampling import SamplingParams, warp
 from castspec.tree import DraftTree
 
 
 @dataclass(frozen=True)
 class Candidates:
-    """The best children proposed for each expanded node: row i belongs to the i-th node of the frontier.
-    A probability of 0 marks an empty slot (an n-gram drafter may have fewer than k proposals)."""
+    """The children proposed for each expanded node: row i belongs to the i-th node of the frontier.
+    A probability of 0 marks an empty slot (an n-gram drafter may have fewer than k proposals).
+    Deterministic drafting gives each row's best tokens, best first. Sampled drafting gives tokens drawn without
+    replacement from `proposal` (row i's distribution [V]), in draw order; verification then needs `proposal`."""
 
     tokens: torch.Tensor  # [F, k] int64
-    probs: torch.Tensor  # [F, k] float32, rows sorted in decreasing order
+    probs: torch.Tensor  # [F, k] float32
+    proposal: torch.Tensor | None = None  # [F, V] when sampled
 
 
 def top_candidates(logits: torch.Tensor, k: int) -> Candidates:
@@ -25,12 +30,32 @@ def top_candidates(logits: torch.Tensor, k: int) -> Candidates:
     return Candidates(top.indices, top.values)
 
 
+def sampled_candidates(logits: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator
+                       ) -> Candidates:
+    """k tokens per row drawn without replacement from the warped draft distribution q, in draw order.
+    Gumbel-top-k: the k largest of log q + Gumbel noise are a draw without replacement, largest first."""
+    q = warp(logits, params)
+    uniform = torch.rand(q.shape, generator=generator).clamp(min=1e-20).to(q.device)
+    keys = q.log() - (-uniform.log()).log()
+    tokens = keys.topk(min(k, q.shape[-1]), dim=-1).indices
+    return Candidates(tokens, q.gather(-1, tokens), q)
+
+
 class Drafter(ABC):
     """A drafter follows one sequence. Per decoding step the loop calls `begin` once with the tokens accepted
     since the previous step (the last of them is the new root), then `expand` once per further draft layer,
     then `end_step`, after which the drafter holds no trace of the rejected tree."""
 
     name: str = "drafter"
+    sampling: tuple[SamplingParams, torch.Generator] | None = None  # set: draw candidates instead of top-k
+
+    def sample_candidates(self, params: SamplingParams | None, generator: torch.Generator | None) -> None:
+        """Draw candidates from the drafter's own distribution (warped like the target's) instead of taking
+        its top-k; `None` (or greedy params) switches back to top-k."""
+        if params is not None and not params.greedy:
+            raise CastspecError(f"the {self.name} drafter proposes deterministically; sampled drafting needs a "
+                                "draft model")
+        self.sampling = None
 
     @abstractmethod
     def reset(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from castspec import kv
-from castspec.drafters.base import Candidates, Drafter, top_candidates
+from castspec.drafters.base import Candidates, Drafter, sampled_candidates, top_candidates
 from castspec.errors import CastspecError
 from castspec.tree import DraftTree
 
@@ -39,6 +39,14 @@ class DraftModelDrafter(Drafter):
         self.device = next(model.parameters()).device
         self.reset()
 
+    def sample_candidates(self, params, generator) -> None:
+        self.sampling = (params, generator) if params is not None and not params.greedy else None
+
+    def _candidates(self, logits: torch.Tensor, top_k: int) -> Candidates:
+        if self.sampling is None:
+            return top_candidates(logits, top_k)
+        return sampled_candidates(logits, top_k, *self.sampling)
+
     def reset(self) -> None:
         self.cache = kv.new_cache(self.model)
         self.base = 0  # cache length with the root included: where this step's tree entries begin
@@ -51,7 +59,7 @@ class DraftModelDrafter(Drafter):
         out = kv.forward(self.model, self.cache, tokens, positions, logits_to_keep=1)
         self.base = start + len(new_tokens)
         self.cached_nodes = {0: self.base - 1}
-        return top_candidates(out.logits[0, -1:], top_k)
+        return self._candidates(out.logits[0, -1:], top_k)
 
     def expand(self, pool: DraftTree, frontier: list[int], top_k: int) -> Candidates:
         past = kv.cache_length(self.cache)
@@ -73,7 +81,7 @@ class DraftModelDrafter(Drafter):
         )
         for row, node in enumerate(frontier):
             self.cached_nodes[node] = past + row
-        return top_candidates(out.logits[0], top_k)
+        return self._candidates(out.logits[0], top_k)
 
     def end_step(self) -> None:
         kv.crop(self.cache, self.base)
