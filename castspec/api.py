@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -163,26 +164,50 @@ class Engine:
         temperature > 0 the output is distributed exactly as plain sampling with the same temperature, top_p and
         top_k, and the same seed repeats the same output. `draft_sampling`: the drafter proposes its top-k
         ("topk") or draws its candidates from its own distribution ("sample", draft models only)."""
+        ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, messages)
+        return self.generate_batch(prompt_ids=[ids], max_new_tokens=max_new_tokens, stop=stop,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                   draft_sampling=draft_sampling)[0]
+
+    def generate_batch(self, prompts: list[str | list[dict]] | None = None, max_new_tokens: int = 128,
+                       stop: list[str] | None = None, prompt_ids: list[list[int]] | None = None,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                       draft_sampling: str = "topk") -> list[Generation]:
+        """Generate for several prompts at once (a prompt string or a list of chat messages each): one batched
+        target forward per step, every row drafting its own tree. Greedy rows are token-identical to
+        generating each prompt alone. Sampling: row b uses seed + b."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise CastspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         sampling = SamplingParams(temperature, top_p, top_k, seed)
         if draft_sampling not in ("topk", "sample"):
             raise CastspecError(f"draft_sampling must be 'topk' or 'sample', got {draft_sampling!r}")
-        generator = None if sampling.greedy else sampling.generator()
-        if self.drafter is not None:
-            self.drafter.sample_candidates(sampling if draft_sampling == "sample" else None, generator)
-        ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, messages)
-        if not ids:
+        if prompt_ids is None:
+            if not isinstance(prompts, list) or not prompts:
+                raise CastspecError("give a non-empty list of prompts")
+            prompt_ids = [self.encode(messages=p) if isinstance(p, list) else self.encode(prompt=p) for p in prompts]
+        if not prompt_ids or any(not ids for ids in prompt_ids):
             raise CastspecError("the prompt is empty")
+        generators = None
+        if not sampling.greedy:
+            generators = [dataclasses.replace(sampling, seed=None if seed is None else seed + row).generator()
+                          for row in range(len(prompt_ids))]
+        if self.drafter is not None:
+            self.drafter.sample_candidates(sampling if draft_sampling == "sample" else None,
+                                           generators[0] if generators else None)
         limit = self.target.max_positions
-        if limit is not None:
-            if len(ids) >= limit:
-                raise CastspecError(f"the prompt has {len(ids)} tokens; this model's context holds {limit}, "
-                                    "leaving no room to generate")
-            max_new_tokens = min(max_new_tokens, limit - len(ids))
-        condition = StopCondition(max_new_tokens, self.eos_ids, stop or [], self.tokenizer)
+        conditions = []
+        for ids in prompt_ids:
+            budget = max_new_tokens
+            if limit is not None:
+                if len(ids) >= limit:
+                    raise CastspecError(f"the prompt has {len(ids)} tokens; this model's context holds {limit}, "
+                                        "leaving no room to generate")
+                budget = min(max_new_tokens, limit - len(ids))
+            conditions.append(StopCondition(budget, self.eos_ids, stop or [], self.tokenizer))
         start = time.perf_counter()
-        output, steps = decode(self.target, self.drafter, self.policy, ids, condition, sampling, generator)
+        outputs, steps = decode(self.target, self.drafter, self.policy, [list(i) for i in prompt_ids], conditions,
+                                sampling, generators)
         wall = time.perf_counter() - start
-        text = self.tokenizer.decode(output, skip_special_tokens=True)
-        return Generation(text, output, len(ids), condition.reason or "max_new_tokens", wall, steps)
+        return [Generation(self.tokenizer.decode(out, skip_special_tokens=True), out, len(ids),
+                           cond.reason or "max_new_tokens", wall, row_steps)
+                for out, ids, cond, row_steps in zip(outputs, prompt_ids, conditions, steps, strict=True)]

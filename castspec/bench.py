@@ -57,14 +57,13 @@ class _HfBaseline:
                  ) -> tuple[list[int], int | None]:
         ids = torch.tensor([prompt_ids])
         extra = {"assistant_model": self.draft} if self.method == "hf-assisted" else {"prompt_lookup_num_tokens": 10}
+        fields = {"do_sample": False}
         if sampling is not None and not sampling.greedy:
-            extra.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                         top_k=sampling.top_k or None)
+            fields = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                      "top_k": sampling.top_k}  # 0 = no cut, as here
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-        else:
-            extra["do_sample"] = False
-        config = transformers.GenerationConfig(max_new_tokens=max_new_tokens,
+        config = transformers.GenerationConfig(max_new_tokens=max_new_tokens, **fields,
                                                eos_token_id=self.model.generation_config.eos_token_id,
                                                pad_token_id=self.tokenizer.pad_token_id)
         with torch.inference_mode():

@@ -14,7 +14,7 @@ import torch
 
 from castspec.cost import CostTable
 from castspec.errors import CastspecError
-from castspec.policies import Policy, StepContext
+from castspec.policies import Policy, StepContext, batch_utilities
 
 
 def select_max_valid_index(utilities: list[float], costs: list[float], threshold: float,
@@ -90,7 +90,7 @@ class CastPolicy(Policy):
 
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
         b = ctx.batch_size
-        utilities = (scores.double().cumsum(0) / b).tolist()
+        utilities = batch_utilities(scores, b)
         draft_context = ctx.context_length + self._drafted
         costs = [self.costs.normalised_draft(b, draft_context, k) for k in range(1, len(utilities) + 1)]
         if self.auto:
@@ -123,7 +123,7 @@ class CastPolicy(Policy):
 
     def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
         b = ctx.batch_size
-        utilities = (scores[: self.max_verify].double().cumsum(0) / b).tolist()
+        utilities = batch_utilities(scores[..., : self.max_verify], b)
         # verifying k drafted nodes is a forward of k + 1 tokens (the root); verifying none is one AR step
         costs = [self.costs.normalised_target(b, ctx.context_length, k + 1) for k in range(1, len(utilities) + 1)]
         c3 = self.threshold("verify", scores, ctx)

@@ -251,11 +251,11 @@ def time_ngram(tokens: int, context: int, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
         d = NgramDrafter()
-        d.begin(history, 4)
+        d.begin([history], 4)
         pool = DraftTree.from_lists([history[-1]] + [rng.randrange(64) for _ in range(tokens)],
                                     [-1] + [0] * tokens, [1.0] * (tokens + 1))
         start = time.perf_counter()
-        d.expand(pool, list(range(1, tokens + 1)), 4)
+        d.expand([pool], [list(range(1, tokens + 1))], 4)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -59,37 +59,57 @@ class _Pool:
         return DraftTree.from_lists(self.tokens, self.parents, self.scores, self.proposals)
 
 
-def grow_tree(
-    drafter: Drafter, policy: Policy, new_tokens: list[int], ctx: StepContext
-) -> tuple[DraftTree, DraftRecord]:
-    """Draft a tree rooted at new_tokens[-1] and cut it to the policy's verify budget."""
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-row score vectors (each sorted decreasing) as one [B, n] matrix padded with zeros."""
+    width = max((r.numel() for r in rows), default=0)
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+def grow_trees(
+    drafter: Drafter, policy: Policy, new_tokens: list[list[int]], ctx: StepContext
+) -> tuple[list[DraftTree], DraftRecord]:
+    """Draft one tree per row, rooted at new_tokens[b][-1]. The batch shares one width per layer and one verify
+    budget (METHOD.md section 3); each row expands and keeps its own best nodes."""
     record = DraftRecord()
     policy.start_step(ctx)
-    pool = _Pool(new_tokens[-1])
+    pools = [_Pool(tokens[-1]) for tokens in new_tokens]
     cands = drafter.begin(new_tokens, policy.top_k)
-    frontier, layer = [0], 1
+    frontiers, layer = [[0] for _ in pools], 1
     try:
         while True:
-            added, scores = pool.add_layer(frontier, cands)
-            width = policy.width(layer, scores, ctx) if added else 0
-            record.layer_sizes.append(len(added))
+            layers = [pool.add_layer(f, c) for pool, f, c in zip(pools, frontiers, cands, strict=True)]
+            added = sum(len(nodes) for nodes, _ in layers)
+            width = policy.width(layer, _padded([scores for _, scores in layers]), ctx) if added else 0
+            record.layer_sizes.append(added)
             record.widths.append(width)
             if width == 0 or layer >= ctx.depth_limit:
                 break
-            frontier = added[:width]
-            cands = drafter.expand(pool.tree(), frontier, policy.top_k)
+            frontiers = [nodes[:width] for nodes, _ in layers]
+            cands = drafter.expand([pool.tree() for pool in pools], frontiers, policy.top_k)
             layer += 1
     finally:
         drafter.end_step()
-    full = pool.tree()
-    drafted = len(full) - 1
-    if drafted == 0:
-        record.decisions = dict(getattr(policy, "trace", {}))
-        return full, record
+    fulls = [pool.tree() for pool in pools]
+    record.decisions = dict(getattr(policy, "trace", {}))
+    if all(len(full) == 1 for full in fulls):
+        return fulls, record
     # rank by score, ties broken by depth so that a parent always outranks its child (ancestor-closed set)
-    key = full.scores[1:].double() - full.depths[1:].double() * 1e-12
-    ranked = torch.sort(key, descending=True, stable=True).indices + 1
-    budget = max(0, min(policy.verify_budget(full.scores[ranked], ctx), drafted))
+    ranked = [torch.sort(f.scores[1:].double() - f.depths[1:].double() * 1e-12, descending=True,
+                         stable=True).indices + 1 for f in fulls]
+    scores = _padded([f.scores[r] for f, r in zip(fulls, ranked, strict=True)])
+    budget = max(0, min(policy.verify_budget(scores, ctx), scores.shape[1]))
     record.verify_budget = budget
     record.decisions = dict(getattr(policy, "trace", {}))
-    return full.subtree(torch.cat([torch.tensor([0]), ranked[:budget]])), record
+    trees = [f.subtree(torch.cat([torch.tensor([0]), r[:budget]])) for f, r in zip(fulls, ranked, strict=True)]
+    return trees, record
+
+
+def grow_tree(
+    drafter: Drafter, policy: Policy, new_tokens: list[int], ctx: StepContext
+) -> tuple[DraftTree, DraftRecord]:
+    """One sequence's tree (a batch of one)."""
+    trees, record = grow_trees(drafter, policy, [new_tokens], ctx)
+    return trees[0], record

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from castspec.drafters.base import Drafter
-from castspec.drafting import DraftRecord, grow_tree
+from castspec.drafting import DraftRecord, grow_trees
 from castspec.policies import Policy, StepContext
 from castspec.sampling import SamplingParams
 from castspec.target import Target
@@ -54,37 +54,56 @@ def _clock(device: torch.device) -> float:
 
 
 def decode(
-    target: Target, drafter: Drafter | None, policy: Policy | None, prompt_ids: list[int], stop: StopCondition,
-    sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
-) -> tuple[list[int], list[StepStats]]:
-    """Greedy when `sampling` is None or has temperature 0; otherwise every emitted token is distributed
-    exactly as plain sampling with `sampling` would draw it, using `generator` for every random choice."""
-    output: list[int] = []
-    steps: list[StepStats] = []
-    _, root = accept(DraftTree.single(-1), target.prefill(prompt_ids)[None], sampling, generator)
-    if stop.push(output, root):
-        return output, steps
-    unseen = prompt_ids + [root]  # accepted tokens the drafter has not absorbed yet (it may skip steps)
+    target: Target, drafter: Drafter | None, policy: Policy | None, prompts: list[list[int]],
+    stops: list[StopCondition], sampling: SamplingParams | None = None,
+    generators: list[torch.Generator] | None = None,
+) -> tuple[list[list[int]], list[list[StepStats]]]:
+    """Decode a batch of prompts (row b: prompts[b], stops[b], generators[b]); returns each row's tokens and
+    steps. Greedy (`sampling` None or temperature 0): every row is token-identical to decoding its prompt alone.
+    Sampling: every row is distributed exactly as plain sampling. Finished rows leave the batch."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    steps: list[list[StepStats]] = [[] for _ in prompts]
+    generators = generators or [None] * len(prompts)
+    first = target.prefill(prompts)
+    roots = [accept(DraftTree.single(-1), first[b: b + 1], sampling, generators[b])[1] for b in range(len(prompts))]
+    active = [b for b in range(len(prompts)) if not stops[b].push(outputs[b], roots[b])]
+    unseen = {b: prompts[b] + [roots[b]] for b in active}  # accepted tokens the drafter has not absorbed yet
+    target.keep_rows(active)
     if drafter is not None:
-        drafter.reset()
+        drafter.reset(len(active))
     window = target.max_positions or 1 << 30
-    while True:
+    while active:
         t0 = _clock(target.device)
-        ctx = StepContext(1, target.length, min(stop.max_new_tokens - len(output), window - target.length) - 1)
-        tree, record = DraftTree.single(root), DraftRecord()
+        limits = [min(stops[b].max_new_tokens - len(outputs[b]), window - target.lengths[i]) - 1
+                  for i, b in enumerate(active)]
+        ctx = StepContext(len(active), target.length, max(limits))
+        trees, record = [DraftTree.single(roots[b]) for b in active], DraftRecord()
         if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
-            tree, record = grow_tree(drafter, policy, unseen, ctx)
-            unseen = []
+            trees, record = grow_trees(drafter, policy, [unseen[b] for b in active], ctx)
+            trees = [t.subtree((t.depths <= limit).nonzero().flatten())  # rows nearer their end draft less deep
+                     for t, limit in zip(trees, limits, strict=True)]
+            unseen = {b: [] for b in active}
         t1 = _clock(target.device)
-        logits, _ = target.verify(tree)
-        path, bonus = accept(tree, logits, sampling, generator)
+        logits, _ = target.verify(trees)
+        results = [accept(tree, logits[i, : len(tree)], sampling, generators[b])
+                   for i, (b, tree) in enumerate(zip(active, trees, strict=True))]
         t2 = _clock(target.device)
-        new_tokens = tree.tokens[path].tolist() + [bonus]
-        steps.append(StepStats(len(new_tokens), len(tree) - 1, t1 - t0, t2 - t1, ctx.context_length, record))
+        going, emitted = [], 0
+        for i, (b, tree, (path, bonus)) in enumerate(zip(active, trees, results, strict=True)):
+            new_tokens = tree.tokens[path].tolist() + [bonus]
+            emitted += len(new_tokens)
+            steps[b].append(StepStats(len(new_tokens), len(tree) - 1, t1 - t0, t2 - t1, ctx.context_length, record))
+            if not any(stops[b].push(outputs[b], token) for token in new_tokens):
+                going.append(i)
+                unseen[b] += new_tokens
+                roots[b] = bonus
         if policy is not None:
-            policy.observe(len(new_tokens), t2 - t0)
-        if any(stop.push(output, token) for token in new_tokens):
-            return output, steps
-        target.commit([0, *path])
-        unseen += new_tokens
-        root = bonus
+            policy.observe(emitted / len(active), t2 - t0)
+        if len(going) < len(active):
+            target.keep_rows(going)
+            if drafter is not None:
+                drafter.keep_rows(going)
+        if going:
+            target.commit([[0, *results[i][0]] for i in going])
+        active = [active[i] for i in going]
+    return outputs, steps

@@ -45,6 +45,28 @@ def crop(cache: DynamicCache, length: int) -> None:
 
 
 @torch.inference_mode()
+def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only the batch rows `rows` (finished sequences leave the batch)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+
+
+@torch.inference_mode()
+def gather_entries(cache: DynamicCache, start: int, offsets: torch.Tensor) -> None:
+    """Batched KV commit: row b keeps, of its entries from `start` on, those at `offsets[b]` [B, K] (ascending),
+    moved to columns start..start+K-1; everything after them is dropped. Rows that keep fewer than K entries
+    repeat one and mask the extra columns as holes."""
+    index = (start + offsets)[:, None, :, None]
+
+    def commit(entries: torch.Tensor) -> torch.Tensor:
+        picked = entries.gather(2, index.expand(-1, entries.shape[1], -1, entries.shape[3]))
+        return torch.cat([entries[:, :, :start], picked], dim=2)
+
+    for layer in cache.layers:
+        layer.keys, layer.values = commit(layer.keys), commit(layer.values)
+
+
+@torch.inference_mode()
 def keep_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
     """Keep, of the entries from `start` on, only those at offsets `keep` (ascending), moved to be contiguous
     right after `start`; everything after them is dropped. This commits an accepted tree path."""

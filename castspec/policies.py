@@ -42,14 +42,21 @@ class Policy(ABC):
 
     @abstractmethod
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
-        """`scores`: this layer's candidate scores, sorted decreasing. `layer`: their depth (1 = root's children)."""
+        """`scores`: this layer's candidate scores, [n] or one row per sequence [B, n], each sorted decreasing
+        (rows padded with 0). `layer`: their depth (1 = root's children). Every row expands its best `width`."""
 
     @abstractmethod
     def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
-        """`scores`: every drafted node's score, sorted decreasing."""
+        """`scores`: every drafted node's score, [n] or [B, n], sorted decreasing; every row verifies its best
+        `verify_budget` nodes."""
 
     def describe(self) -> str:
         return self.name
+
+
+def batch_utilities(scores: torch.Tensor, batch_size: int) -> list[float]:
+    """u_k = (1/B) * sum over rows of each row's k best scores (METHOD.md 2.3), for k = 1..n."""
+    return (torch.atleast_2d(scores).double().cumsum(-1).sum(0) / batch_size).tolist()
 
 
 def _positive(name: str, value: int) -> int:
@@ -71,7 +78,7 @@ class ChainPolicy(Policy):
         return 1 if layer < self.length else 0
 
     def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
-        return int(scores.numel())
+        return int(scores.shape[-1])
 
     def describe(self) -> str:
         return f"chain(length={self.length})"
@@ -92,10 +99,10 @@ class Eagle2Policy(Policy):
             raise CastspecError("total_tokens must be at least 2 (the root and one drafted token)")
 
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
-        return min(self.top_k, int(scores.numel())) if layer < self.depth else 0
+        return min(self.top_k, int(scores.shape[-1])) if layer < self.depth else 0
 
     def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
-        return min(self.total_tokens - 1, int(scores.numel()))
+        return min(self.total_tokens - 1, int(scores.shape[-1]))
 
     def describe(self) -> str:
         return f"eagle2(top_k={self.top_k}, depth={self.depth}, total_tokens={self.total_tokens})"

@@ -1,4 +1,12 @@
-"""The target model's side of a decoding step: prefill, verify a whole tree in one forward, commit the path."""
+"""The target model's side of a decoding step, for a batch of sequences: prefill, verify one tree per row in a
+single forward, commit each row's accepted path.
+
+Rows have different lengths, so the KV cache is a rectangle with holes: `valid[b, j]` says whether column j
+holds one of row b's tokens. Prompts are left-padded (holes on the left) so that the last column is every row's
+last prompt token; each verify appends as many columns as the largest tree; each commit keeps, per row, the root
+and the accepted path, padded to the longest kept path with holes. Positions are per row (`lengths`), so holes
+never shift a token's position; masking makes them invisible. A hole attends to itself only, so that its
+(discarded) attention output stays finite."""
 
 from __future__ import annotations
 
@@ -13,40 +21,72 @@ class Target:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = kv.new_cache(model)
+        self.valid = torch.zeros(1, 0, dtype=torch.bool)
+        self.lengths: list[int] = []
 
     @property
     def length(self) -> int:
-        """Tokens in the KV cache (the accepted sequence minus the root, which is not processed yet)."""
+        """Columns in the KV cache (holes included): what a forward attends over."""
         return kv.cache_length(self.cache)
 
     @property
     def max_positions(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Process the prompt; returns the logits that predict the first new token, [V]."""
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Process the prompts (one per row); returns the logits that predict each row's first new token [B, V]."""
         self.cache = kv.new_cache(self.model)
-        tokens = torch.tensor([prompt_ids], device=self.device)
-        positions = torch.arange(len(prompt_ids), device=self.device)[None]
-        out = kv.forward(self.model, self.cache, tokens, positions, logits_to_keep=1)
-        return out.logits[0, -1].float()
+        width = max(len(p) for p in prompts)
+        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+        positions = torch.zeros(len(prompts), width, dtype=torch.long)
+        self.valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            tokens[row, width - len(prompt):] = torch.tensor(prompt)
+            positions[row, width - len(prompt):] = torch.arange(len(prompt))
+            self.valid[row, width - len(prompt):] = True
+        self.lengths = [len(p) for p in prompts]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = (causal[None] & self.valid[:, None, :]) | torch.eye(width, dtype=torch.bool)[None]
+        out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
+                         self._mask(mask) if len(prompts) > 1 else None, logits_to_keep=1)
+        return out.logits[:, -1].float()
 
-    def verify(self, tree: DraftTree, want_hidden: bool = False):
-        """One forward over every node of `tree`; returns (logits [n, V], last hidden states [n, d] or None)."""
-        past = self.length
+    def _mask(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask[:, None].to(self.device)
+
+    def verify(self, trees: list[DraftTree], want_hidden: bool = False):
+        """One forward over every row's tree (padded to the largest); returns (logits [B, n, V], last hidden
+        states [B, n, d] or None). Row b's node i is at [b, i]."""
+        past, width = self.length, max(len(t) for t in trees)
         self._tree_start = past
-        out = kv.forward(
-            self.model,
-            self.cache,
-            tree.tokens[None].to(self.device),
-            tree.position_ids(past)[None].to(self.device),
-            tree.attention_mask(past).to(self.device),
-            want_hidden=want_hidden,
-        )
-        hidden = out.hidden_states[-1][0] if want_hidden else None
-        return out.logits[0].float(), hidden
+        tokens = torch.zeros(len(trees), width, dtype=torch.long)
+        positions = torch.zeros(len(trees), width, dtype=torch.long)
+        mask = torch.zeros(len(trees), width, past + width, dtype=torch.bool)
+        mask[:, :, :past] = self.valid[:, None, :]
+        mask[:, :, past:] = torch.eye(width, dtype=torch.bool)
+        for row, tree in enumerate(trees):
+            n = len(tree)
+            tokens[row, :n] = tree.tokens
+            positions[row, :n] = tree.position_ids(self.lengths[row])
+            mask[row, :n, past: past + n] = tree.ancestor_mask()
+            mask[row, n:, :past] = False  # padding nodes see nothing but themselves
+        out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
+                         self._mask(mask), want_hidden=want_hidden)
+        hidden = out.hidden_states[-1] if want_hidden else None
+        return out.logits.float(), hidden
 
-    def commit(self, kept_nodes: list[int]) -> None:
-        """Keep the KV entries of `kept_nodes` (root first, then the accepted path) of the tree verified last;
-        drop the rest of that tree."""
-        kv.keep_entries(self.cache, self._tree_start, torch.tensor(kept_nodes, device=self.device))
+    def commit(self, kept_nodes: list[list[int]]) -> None:
+        """Per row, keep the KV entries of `kept_nodes` (root first, then the accepted path) of the trees
+        verified last; drop the rest of those trees."""
+        width = max(len(k) for k in kept_nodes)
+        offsets = torch.tensor([k + [k[-1]] * (width - len(k)) for k in kept_nodes])
+        kv.gather_entries(self.cache, self._tree_start, offsets.to(self.device))
+        new_valid = torch.arange(width)[None] < torch.tensor([len(k) for k in kept_nodes])[:, None]
+        self.valid = torch.cat([self.valid[:, : self._tree_start], new_valid], dim=1)
+        self.lengths = [length + len(k) for length, k in zip(self.lengths, kept_nodes, strict=True)]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only `rows` go on (the others finished)."""
+        kv.keep_rows(self.cache, torch.tensor(rows, dtype=torch.long, device=self.device))
+        self.valid = self.valid[torch.tensor(rows, dtype=torch.long)]
+        self.lengths = [self.lengths[r] for r in rows]

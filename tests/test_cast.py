@@ -64,6 +64,7 @@ class TheoremCast(CastPolicy):
         self.k, self.total, self.lam_d, self.lam_t = k, total, lam_d, lam_t
 
     def threshold(self, which, scores, ctx):
+        scores = scores.flatten()  # a batch of one
         if which == "breadth":
             return float(scores[min(self.k, len(scores)) - 1]) / self.lam_d
         if which == "verify":

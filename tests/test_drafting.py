@@ -22,17 +22,24 @@ class ScriptedDrafter(Drafter):
     def __init__(self):
         self.calls = []
 
-    def reset(self):
+    def reset(self, batch_size=1):
+        pass
+
+    def keep_rows(self, rows):
         pass
 
     def begin(self, new_tokens, top_k):
-        self.calls.append(("begin", 1))
-        return top_candidates(child_logits(())[None], top_k)
+        self.calls.append(("begin", len(new_tokens)))
+        return [top_candidates(child_logits(())[None], top_k) for _ in new_tokens]
 
-    def expand(self, pool, frontier, top_k) -> Candidates:
-        self.calls.append(("expand", len(frontier)))
-        rows = [child_logits(tuple(pool.tokens[pool.path_to(n)].tolist())) for n in frontier]
-        return top_candidates(torch.stack(rows), top_k)
+    def expand(self, pools, frontiers, top_k) -> list[Candidates]:
+        self.calls.append(("expand", sum(len(f) for f in frontiers)))
+        out = []
+        for pool, frontier in zip(pools, frontiers, strict=True):
+            rows = [child_logits(tuple(pool.tokens[pool.path_to(n)].tolist())) for n in frontier]
+            out.append(top_candidates(torch.stack(rows), top_k) if rows else
+                       Candidates(torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k)))
+        return out
 
 
 def reference_eagle2(k: int, depth: int, total: int) -> set[tuple[int, ...]]:
@@ -99,7 +106,7 @@ def test_verified_set_is_ancestor_closed_and_ranked():
 
 class EmptyDrafter(ScriptedDrafter):
     def begin(self, new_tokens, top_k):
-        return Candidates(torch.zeros(1, top_k, dtype=torch.long), torch.zeros(1, top_k))
+        return [Candidates(torch.zeros(1, top_k, dtype=torch.long), torch.zeros(1, top_k)) for _ in new_tokens]
 
 
 def test_a_drafter_with_nothing_to_say_gives_the_root_alone():

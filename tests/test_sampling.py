@@ -208,8 +208,8 @@ def engine_samples(target_model, drafter, policy, params, draws: int, length: in
         for _ in range(draws):
             # generate past `length`: the engine never drafts beyond max_new_tokens, so a run cut at `length`
             # would verify nothing deeper than length - 2; one more token lets the last counted one come from a tree
-            tokens, steps = decode(target, drafter, policy, prompt, StopCondition(length + 1, set(), [], None),
-                                   params, generator)
+            (tokens,), (steps,) = decode(target, drafter, policy, [prompt],
+                                         [StopCondition(length + 1, set(), [], None)], params, [generator])
             out.append(tuple(tokens[:length]))
             accepted_drafts += sum(step.accepted - 1 for step in steps)
     return out, accepted_drafts
@@ -277,8 +277,9 @@ def test_same_seed_same_output_and_speculation_is_used(tiny_pair):
         generator = params.generator()
         drafter.sample_candidates(params, generator)
         with torch.inference_mode():
-            runs.append(decode(target, drafter, Eagle2Policy(3, 3, 8), PROMPT,
-                               StopCondition(30, set(), [], None), params, generator))
+            (tokens,), (steps,) = decode(target, drafter, Eagle2Policy(3, 3, 8), [PROMPT],
+                                         [StopCondition(30, set(), [], None)], params, [generator])
+            runs.append((tokens, steps))
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 30
     assert max(step.accepted for step in runs[0][1]) > 1
 
@@ -316,10 +317,10 @@ def test_verifier_on_real_distributions(smollm):
     prompt = tokenizer("def fibonacci(n):\n    ")["input_ids"]
     target, drafter = Target(model), DraftModelDrafter(model)
     with torch.inference_mode():
-        root = int(target.prefill(prompt).argmax())
+        root = int(target.prefill([prompt])[0].argmax())
         drafter.reset()
         tree, _ = grow_tree(drafter, Eagle2Policy(4, 2, 10), prompt + [root], StepContext(1, len(prompt), 4))
-        probs = warp(target.verify(tree)[0], params)
+        probs = warp(target.verify([tree])[0][0], params)
     gen = torch.Generator().manual_seed(0)
     firsts, seconds = [], {}
     for _ in range(8000):

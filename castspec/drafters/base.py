@@ -42,9 +42,10 @@ def sampled_candidates(logits: torch.Tensor, k: int, params: SamplingParams, gen
 
 
 class Drafter(ABC):
-    """A drafter follows one sequence. Per decoding step the loop calls `begin` once with the tokens accepted
-    since the previous step (the last of them is the new root), then `expand` once per further draft layer,
-    then `end_step`, after which the drafter holds no trace of the rejected tree."""
+    """A drafter follows a batch of sequences (one row each). Per decoding step the loop calls `begin` once with
+    each row's tokens accepted since the previous step (the last of them is the row's new root), then `expand`
+    once per further draft layer, then `end_step`, after which the drafter holds no trace of the rejected trees.
+    Row-wise lists throughout: results[b] belongs to row b."""
 
     name: str = "drafter"
     sampling: tuple[SamplingParams, torch.Generator] | None = None  # set: draw candidates instead of top-k
@@ -58,16 +59,25 @@ class Drafter(ABC):
         self.sampling = None
 
     @abstractmethod
-    def reset(self) -> None:
-        """Forget the sequence: the next `begin` receives the whole prompt."""
+    def reset(self, batch_size: int = 1) -> None:
+        """Forget everything: the next `begin` receives each row's whole prompt."""
 
     @abstractmethod
-    def begin(self, new_tokens: list[int], top_k: int) -> Candidates:
-        """Absorb the newly accepted tokens and propose the root's children (one row)."""
+    def begin(self, new_tokens: list[list[int]], top_k: int) -> list[Candidates]:
+        """Absorb each row's newly accepted tokens and propose its root's children (one candidate row each)."""
 
     @abstractmethod
-    def expand(self, pool: DraftTree, frontier: list[int], top_k: int) -> Candidates:
-        """Propose children for the `frontier` nodes of `pool` (one row each, in frontier order)."""
+    def expand(self, pools: list[DraftTree], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
+        """Propose children for each row's `frontiers[b]` nodes of `pools[b]` (one candidate row per node, in
+        frontier order; a row with an empty frontier gets empty candidates)."""
 
     def end_step(self) -> None:  # noqa: B027 - stateless drafters need nothing here
-        """Drop whatever the drafter kept of the current tree."""
+        """Drop whatever the drafter kept of the current trees."""
+
+    @abstractmethod
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only `rows` go on (the others finished); called between steps."""
+
+
+def empty_candidates(top_k: int) -> Candidates:
+    return Candidates(torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from castspec import kv
-from castspec.drafters.base import Candidates, Drafter, sampled_candidates, top_candidates
+from castspec.drafters.base import Candidates, Drafter, empty_candidates, sampled_candidates, top_candidates
 from castspec.errors import CastspecError
 from castspec.tree import DraftTree
 
@@ -47,41 +47,73 @@ class DraftModelDrafter(Drafter):
             return top_candidates(logits, top_k)
         return sampled_candidates(logits, top_k, *self.sampling)
 
-    def reset(self) -> None:
+    def reset(self, batch_size: int = 1) -> None:
         self.cache = kv.new_cache(self.model)
-        self.base = 0  # cache length with the root included: where this step's tree entries begin
-        self.cached_nodes: dict[int, int] = {}  # pool node -> its column in the cache
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool)  # which cache columns hold a row's tokens
+        self.lengths = [0] * batch_size  # tokens absorbed per row (the next one's position)
+        self.base = 0  # cache columns up to this step's roots: where the trees' entries begin
+        self.cached_nodes: list[dict[int, int]] = [{} for _ in range(batch_size)]  # pool node -> cache column
 
-    def begin(self, new_tokens: list[int], top_k: int) -> Candidates:
-        start = kv.cache_length(self.cache)
-        tokens = torch.tensor([new_tokens], device=self.device)
-        positions = torch.arange(start, start + len(new_tokens), device=self.device)[None]
-        out = kv.forward(self.model, self.cache, tokens, positions, logits_to_keep=1)
-        self.base = start + len(new_tokens)
-        self.cached_nodes = {0: self.base - 1}
-        return self._candidates(out.logits[0, -1:], top_k)
+    def begin(self, new_tokens: list[list[int]], top_k: int) -> list[Candidates]:
+        # rows absorb different numbers of tokens: right-align them (holes on the left) so that the last column
+        # is every row's root and one logits row per sequence suffices
+        start, width, rows = kv.cache_length(self.cache), max(len(t) for t in new_tokens), len(new_tokens)
+        tokens = torch.zeros(rows, width, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        chunk_valid = torch.zeros(rows, width, dtype=torch.bool)
+        for row, new in enumerate(new_tokens):
+            tokens[row, width - len(new):] = torch.tensor(new)
+            positions[row, width - len(new):] = torch.arange(self.lengths[row], self.lengths[row] + len(new))
+            chunk_valid[row, width - len(new):] = True
+            self.lengths[row] += len(new)
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), causal[None] & chunk_valid[:, None, :]],
+                         dim=2)
+        mask &= chunk_valid[:, :, None]  # a hole sees only itself
+        mask[:, :, start:] |= torch.eye(width, dtype=torch.bool)
+        out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
+                         mask[:, None].to(self.device), logits_to_keep=1)
+        self.valid = torch.cat([self.valid, chunk_valid], dim=1)
+        self.base = start + width
+        self.cached_nodes = [{0: self.base - 1} for _ in range(rows)]
+        return _split(self._candidates(out.logits[:, -1], top_k))
 
-    def expand(self, pool: DraftTree, frontier: list[int], top_k: int) -> Candidates:
-        past = kv.cache_length(self.cache)
-        n = len(frontier)
-        mask = torch.zeros(n, past + n, dtype=torch.bool)
-        mask[:, : self.base] = True
-        for row, node in enumerate(frontier):
-            for ancestor in pool.path_to(node)[:-1]:
-                mask[row, self.cached_nodes[ancestor]] = True
-            mask[row, past + row] = True
-        root_position = self.base - 1
-        positions = pool.depths[frontier] + root_position
-        out = kv.forward(
-            self.model,
-            self.cache,
-            pool.tokens[frontier][None].to(self.device),
-            positions[None].to(self.device),
-            mask[None, None].to(self.device),
-        )
-        for row, node in enumerate(frontier):
-            self.cached_nodes[node] = past + row
-        return self._candidates(out.logits[0], top_k)
+    def expand(self, pools: list[DraftTree], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
+        past, width = kv.cache_length(self.cache), max(len(f) for f in frontiers)
+        if width == 0:
+            return [empty_candidates(top_k) for _ in frontiers]
+        rows = len(frontiers)
+        tokens = torch.zeros(rows, width, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.zeros(rows, width, past + width, dtype=torch.bool)
+        mask[:, :, past:] = torch.eye(width, dtype=torch.bool)
+        for row, (pool, frontier) in enumerate(zip(pools, frontiers, strict=True)):
+            columns = self.cached_nodes[row]
+            for i, node in enumerate(frontier):
+                tokens[row, i] = pool.tokens[node]
+                positions[row, i] = self.lengths[row] - 1 + pool.depths[node]
+                mask[row, i, : self.base] = self.valid[row, : self.base]
+                for ancestor in pool.path_to(node)[:-1]:
+                    mask[row, i, columns[ancestor]] = True
+                columns[node] = past + i
+        out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
+                         mask[:, None].to(self.device))
+        cands = self._candidates(out.logits, top_k)
+        return [Candidates(cands.tokens[row, : len(f)], cands.probs[row, : len(f)],
+                           None if cands.proposal is None else cands.proposal[row, : len(f)])
+                for row, f in enumerate(frontiers)]
 
     def end_step(self) -> None:
         kv.crop(self.cache, self.base)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        kv.keep_rows(self.cache, torch.tensor(rows, dtype=torch.long, device=self.device))
+        self.valid = self.valid[torch.tensor(rows, dtype=torch.long)]
+        self.lengths = [self.lengths[r] for r in rows]
+
+
+def _split(cands: Candidates) -> list[Candidates]:
+    """[B, k] candidates -> one single-row Candidates per batch row."""
+    return [Candidates(cands.tokens[row: row + 1], cands.probs[row: row + 1],
+                       None if cands.proposal is None else cands.proposal[row: row + 1])
+            for row in range(cands.tokens.shape[0])]

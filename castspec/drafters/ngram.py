@@ -15,6 +15,33 @@ from castspec.drafters.base import Candidates, Drafter
 from castspec.tree import DraftTree
 
 
+class _Index:
+    """One sequence's n-grams and the counts of the tokens that followed them."""
+
+    def __init__(self, max_n: int, min_n: int) -> None:
+        self.max_n, self.min_n = max_n, min_n
+        self.history: list[int] = []
+        self.followers: dict[tuple[int, ...], Counter[int]] = defaultdict(Counter)
+
+    def append(self, token: int) -> None:
+        history = self.history
+        for n in range(self.min_n, self.max_n + 1):
+            if len(history) >= n:
+                self.followers[tuple(history[-n:])][token] += 1
+        history.append(token)
+
+    def propose(self, suffix_source: list[int], top_k: int) -> tuple[list[int], list[float]]:
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(suffix_source) < n:
+                continue
+            followers = self.followers.get(tuple(suffix_source[-n:]))
+            if followers:
+                total = sum(followers.values())
+                best = followers.most_common(top_k)
+                return [t for t, _ in best], [c / total for _, c in best]
+        return [], []
+
+
 class NgramDrafter(Drafter):
     name = "ngram"
 
@@ -24,29 +51,11 @@ class NgramDrafter(Drafter):
         self.max_n, self.min_n = max_n, min_n
         self.reset()
 
-    def reset(self) -> None:
-        self.history: list[int] = []
-        self.index: dict[tuple[int, ...], Counter[int]] = defaultdict(Counter)
+    def reset(self, batch_size: int = 1) -> None:
+        self.rows = [_Index(self.max_n, self.min_n) for _ in range(batch_size)]
 
-    def _append(self, token: int) -> None:
-        history = self.history
-        for n in range(self.min_n, self.max_n + 1):
-            if len(history) >= n:
-                self.index[tuple(history[-n:])][token] += 1
-        history.append(token)
-
-    def _propose(self, suffix_source: list[int], top_k: int) -> tuple[list[int], list[float]]:
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if len(suffix_source) < n:
-                continue
-            followers = self.index.get(tuple(suffix_source[-n:]))
-            if followers:
-                total = sum(followers.values())
-                best = followers.most_common(top_k)
-                return [t for t, _ in best], [c / total for _, c in best]
-        return [], []
-
-    def _rows(self, proposals: list[tuple[list[int], list[float]]], top_k: int) -> Candidates:
+    @staticmethod
+    def _candidates(proposals: list[tuple[list[int], list[float]]], top_k: int) -> Candidates:
         tokens = torch.zeros(len(proposals), top_k, dtype=torch.long)
         probs = torch.zeros(len(proposals), top_k)
         for row, (toks, ps) in enumerate(proposals):
@@ -54,16 +63,23 @@ class NgramDrafter(Drafter):
             probs[row, : len(ps)] = torch.tensor(ps)
         return Candidates(tokens, probs)
 
-    def begin(self, new_tokens: list[int], top_k: int) -> Candidates:
-        for token in new_tokens:
-            self._append(token)
-        return self._rows([self._propose(self.history, top_k)], top_k)
+    def begin(self, new_tokens: list[list[int]], top_k: int) -> list[Candidates]:
+        out = []
+        for index, new in zip(self.rows, new_tokens, strict=True):
+            for token in new:
+                index.append(token)
+            out.append(self._candidates([index.propose(index.history, top_k)], top_k))
+        return out
 
-    def expand(self, pool: DraftTree, frontier: list[int], top_k: int) -> Candidates:
-        tail = self.history[-self.max_n:]
-        pool_tokens = pool.tokens.tolist()
-        proposals = []
-        for node in frontier:
-            path = [pool_tokens[i] for i in pool.path_to(node)]
-            proposals.append(self._propose(tail + path, top_k))
-        return self._rows(proposals, top_k)
+    def expand(self, pools: list[DraftTree], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
+        out = []
+        for index, pool, frontier in zip(self.rows, pools, frontiers, strict=True):
+            tail = index.history[-self.max_n:]
+            pool_tokens = pool.tokens.tolist()
+            proposals = [index.propose(tail + [pool_tokens[i] for i in pool.path_to(node)], top_k)
+                         for node in frontier]
+            out.append(self._candidates(proposals, top_k))
+        return out
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
