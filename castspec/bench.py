@@ -21,6 +21,7 @@ from castspec.api import Engine, drafter_identity, find_cost_table, make_policy
 from castspec.cost import setup_key
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
+from castspec.errors import CastspecError
 from castspec.sampling import SamplingParams
 
 
@@ -71,12 +72,7 @@ class _HfBaseline:
         return out[0, len(prompt_ids):].tolist(), None
 
 
-def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
-                  max_new_tokens: int, warmup: int = 1, partial: Path | None = None,
-                  sampling: SamplingParams | None = None, draft_sampling: str = "topk") -> dict:
-    """Run every method on every prompt. With `partial`, each finished generation is appended there as a JSON
-    line at once, so an interrupted run keeps what it measured. With `sampling`, every method samples with the
-    same parameters and seed."""
+def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec]) -> dict:
     runners = {}
     for spec in specs:
         if spec.method.startswith("hf-"):
@@ -92,6 +88,16 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
         if policy is not None:
             drafter = DraftModelDrafter(draft_model) if spec.drafter == "draft" else NgramDrafter()
         runners[spec.label] = Engine(target_model, tokenizer, drafter, policy)
+    return runners
+
+
+def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
+                  max_new_tokens: int, warmup: int = 1, partial: Path | None = None,
+                  sampling: SamplingParams | None = None, draft_sampling: str = "topk") -> dict:
+    """Run every method on every prompt. With `partial`, each finished generation is appended there as a JSON
+    line at once, so an interrupted run keeps what it measured. With `sampling`, every method samples with the
+    same parameters and seed."""
+    runners = _runners(target_model, tokenizer, draft_model, specs)
     encoder = next(r for r in runners.values() if isinstance(r, Engine)) if runners else None
     encoded = [encoder.encode(messages=p["messages"]) if "messages" in p else encoder.encode(prompt=p["prompt"])
                for p in prompts]
@@ -226,3 +232,108 @@ def _meta_line(result: dict) -> str:
     m = result["meta"]
     return (f"{m['date']}, {m['machine']}, {m['threads']} threads, torch {m['torch']}, transformers "
             f"{m['transformers']}, {m['prompts']} prompts, max {m['max_new_tokens']} new tokens.")
+
+
+# ---- batched throughput ------------------------------------------------------------------------------------------
+
+def run_throughput(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
+                   max_new_tokens: int, batch_sizes: list[int], partial: Path | None = None) -> dict:
+    """For each batch size B, every method decodes the prompts in batches of B (methods interleaved per batch);
+    throughput = all new tokens / all wall time; speed-up over batched AR at the same B."""
+    if any(spec.method.startswith("hf-") for spec in specs):
+        raise CastspecError("the HF baselines decode one prompt at a time: leave them out of a batched run")
+    runners = _runners(target_model, tokenizer, draft_model, specs)
+    engine = next(iter(runners.values()))
+    encoded = [engine.encode(messages=p["messages"]) if "messages" in p else engine.encode(prompt=p["prompt"])
+               for p in prompts]
+    for runner in runners.values():  # warm-up at the largest batch: kernels, allocator
+        runner.generate_batch(prompt_ids=encoded[: max(batch_sizes)], max_new_tokens=min(8, max_new_tokens))
+    rows = []
+    batches = [(b, encoded[i: i + b]) for b in batch_sizes for i in range(0, len(encoded), b)]
+    progress = tqdm(total=len(batches) * len(runners), desc="throughput", unit="batch")
+    for b, batch in batches:
+        for label, runner in runners.items():
+            progress.set_postfix_str(f"B={b} {label}")
+            start = time.perf_counter()
+            gens = runner.generate_batch(prompt_ids=batch, max_new_tokens=max_new_tokens)
+            wall = time.perf_counter() - start
+            steps = [s for g in gens for s in g.steps]
+            rows.append({"batch_size": b, "method": label, "rows": len(batch),
+                         "new_tokens": sum(len(g.output_ids) for g in gens), "wall_s": wall,
+                         "steps": max(len(g.steps) for g in gens),
+                         "accepted": sum(len(g.output_ids) - 1 for g in gens), "row_steps": len(steps),
+                         "mean_tree_size": statistics.fmean(s.tree_size for s in steps) if steps else 0.0,
+                         "output_ids": [g.output_ids for g in gens]})
+            if partial is not None:
+                with open(partial, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+            progress.update()
+    progress.close()
+    meta = _meta(max_new_tokens, len(prompts))
+    meta["batch_sizes"] = batch_sizes
+    return {"meta": meta, "rows": rows, "summary": summarise_throughput(rows)}
+
+
+def summarise_throughput(rows: list[dict]) -> list[dict]:
+    out = []
+    for b in sorted({r["batch_size"] for r in rows}):
+        at_b = [r for r in rows if r["batch_size"] == b]
+        ar = [r for r in at_b if r["method"] == "ar"]
+        ar_tps = sum(r["new_tokens"] for r in ar) / sum(r["wall_s"] for r in ar) if ar else None
+        ar_outputs = [o for r in ar for o in r["output_ids"]]
+        for method in dict.fromkeys(r["method"] for r in at_b):
+            mine = [r for r in at_b if r["method"] == method]
+            tps = sum(r["new_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+            outputs = [o for r in mine for o in r["output_ids"]]
+            row_steps = sum(r["row_steps"] for r in mine)
+            out.append({"batch_size": b, "method": method, "tokens_per_s": round(tps, 3),
+                        "speedup": round(tps / ar_tps, 3) if ar_tps else None,
+                        "tau": round(sum(r["accepted"] for r in mine) / row_steps, 3) if row_steps else None,
+                        "mean_tree_size": round(statistics.fmean(r["mean_tree_size"] for r in mine), 2),
+                        "same_as_ar": sum(a == o for a, o in zip(ar_outputs, outputs, strict=False)),
+                        "prompts": len(outputs)})
+    return out
+
+
+def throughput_table(summary: list[dict]) -> str:
+    lines = ["| B | method | tokens/s | speed-up over batched AR | tau | verify size | same as AR |",
+             "|---|---|---|---|---|---|---|"]
+    for r in summary:
+        lines.append(f"| {r['batch_size']} | `{r['method']}` | {r['tokens_per_s']:.2f} | "
+                     f"{r['speedup']:.2f}x | {_fmt(r['tau'])} | {_fmt(r['mean_tree_size'])} | "
+                     f"{r['same_as_ar']}/{r['prompts']} |")
+    return "\n".join(lines)
+
+
+def plot_throughput(summary: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in summary):
+        mine = [r for r in summary if r["method"] == method]
+        sizes = [r["batch_size"] for r in mine]
+        left.plot(sizes, [r["speedup"] for r in mine], marker="o", label=method)
+        right.plot(sizes, [r["tokens_per_s"] for r in mine], marker="o", label=method)
+    left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    for ax, label in ((left, "speed-up over batched AR"), (right, "total tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def save_throughput(result: dict, out_dir: Path, name: str, command: str, title: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["meta"]["command"] = command
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+    table = throughput_table(result["summary"])
+    (out_dir / f"{name}.md").write_text(f"# {title}\n\nCommand:\n\n```\n{command}\n```\n\n{_meta_line(result)}\n\n"
+                                        f"{table}\n\n![throughput]({name}.png)\n")
+    plot_throughput(result["summary"], out_dir / f"{name}.png", title)

@@ -75,6 +75,8 @@ def _build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompts-file", help='JSONL: {"id": ..., "prompt": ...} or {"id": ..., "messages": [...]}')
     gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (one target forward "
+                                                               "per step for all of them)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
     gen.add_argument("--device", default="cpu")
@@ -95,6 +97,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bf16")
     bench.add_argument("--out-dir", default="bench")
     bench.add_argument("--name", default="bench")
+    bench.add_argument("--batch-sizes", help="throughput mode: decode in batches of each size, e.g. 1,2,4,8 "
+                                             "(speed-up over batched AR per batch size)")
     _sampling_args(bench)
 
     prof = sub.add_parser("profile", help="measure, validate or plot a cost table f(B, c, n)")
@@ -144,6 +148,8 @@ def _cmd_generate(args) -> None:
     if args.prompt is not None and not args.prompt.strip():
         raise CastspecError("the prompt is empty")
     sampling = _sampling(args)  # bad values fail here, before the slow model load
+    if args.batch_size < 1:
+        raise CastspecError(f"--batch-size must be positive, got {args.batch_size}")
     rows = read_prompts_file(args.prompts_file) if args.prompts_file else [{"id": 0, "prompt": args.prompt}]
     options = {"chain_length": args.chain_length, "top_k": args.top_k, "depth": args.depth,
                "total_tokens": args.total_tokens}
@@ -153,31 +159,31 @@ def _cmd_generate(args) -> None:
     engine = Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, dtype=args.dtype,
                          device=args.device, cost_table=args.cost_table, force_table=args.force_table, **options)
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below, written per step
-    for row in rows:
-        if "messages" in row:
-            kwargs = {"messages": row["messages"]}
-        elif args.chat:
-            kwargs = {"messages": [{"role": "user", "content": row["prompt"]}]}
-        else:
-            kwargs = {"prompt": row["prompt"]}
-        g = engine.generate(**kwargs, max_new_tokens=args.max_new_tokens, stop=args.stop,
-                            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            seed=sampling.seed, draft_sampling=args.draft_sampling)
-        if trace is not None:
-            for number, step in enumerate(g.steps):
-                trace.write(json.dumps({"id": row["id"], "step": number, "accepted": step.accepted,
-                                        "tree_size": step.tree_size, "context": step.context_length,
-                                        "layer_sizes": step.draft.layer_sizes, "widths": step.draft.widths,
-                                        "verify_budget": step.draft.verify_budget, "draft_s": step.draft_s,
-                                        "verify_s": step.verify_s, "policy": step.draft.decisions}) + "\n")
-            trace.flush()
-        if args.json:
-            print(json.dumps({"id": row["id"], **g.to_json()}), flush=True)
-        else:
-            print(g.text, flush=True)
-            print(f"[{len(g.output_ids)} tokens in {g.wall_s:.2f} s, {len(g.output_ids) / g.wall_s:.2f} tok/s, "
-                  f"{len(g.steps)} steps, mean accepted {g.mean_accepted:.2f}, stop: {g.stop_reason}]",
-                  file=sys.stderr, flush=True)
+    for first in range(0, len(rows), args.batch_size):
+        batch = rows[first: first + args.batch_size]
+        prompts = [row["messages"] if "messages" in row else
+                   [{"role": "user", "content": row["prompt"]}] if args.chat else row["prompt"] for row in batch]
+        generations = engine.generate_batch(prompts, max_new_tokens=args.max_new_tokens, stop=args.stop,
+                                            temperature=sampling.temperature, top_p=sampling.top_p,
+                                            top_k=sampling.top_k, seed=sampling.seed,
+                                            draft_sampling=args.draft_sampling)
+        for row, g in zip(batch, generations, strict=True):
+            if trace is not None:
+                for number, step in enumerate(g.steps):
+                    trace.write(json.dumps({"id": row["id"], "step": number, "batch_size": len(batch),
+                                            "accepted": step.accepted, "tree_size": step.tree_size,
+                                            "context": step.context_length, "layer_sizes": step.draft.layer_sizes,
+                                            "widths": step.draft.widths, "verify_budget": step.draft.verify_budget,
+                                            "draft_s": step.draft_s, "verify_s": step.verify_s,
+                                            "policy": step.draft.decisions}) + "\n")
+                trace.flush()
+            if args.json:
+                print(json.dumps({"id": row["id"], **g.to_json()}), flush=True)
+            else:
+                print(g.text, flush=True)
+                print(f"[{len(g.output_ids)} tokens in {g.wall_s:.2f} s (batch of {len(batch)}), "
+                      f"{len(g.steps)} steps, mean accepted {g.mean_accepted:.2f}, stop: {g.stop_reason}]",
+                      file=sys.stderr, flush=True)
     if trace is not None:
         trace.close()
 
@@ -207,6 +213,10 @@ def _cmd_bench(args) -> None:
     sampling = _sampling(args)
     if not sampling.greedy and sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=0)  # every method draws from the same seed per prompt
+    if args.batch_sizes:
+        if not sampling.greedy:
+            raise CastspecError("the throughput mode measures greedy decoding; leave out --temperature")
+        sizes = _int_list(args.batch_sizes, "--batch-sizes")
     target, tokenizer, draft = _load_pair(args.model, args.draft, args.dtype)
     prompts = _prompts(args.sets, args.per_set, args.offset)
     if args.limit > 0:
@@ -214,10 +224,21 @@ def _cmd_bench(args) -> None:
     partial = Path(args.out_dir) / f"{args.name}.partial.jsonl"
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.unlink(missing_ok=True)
+    command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.batch_sizes:
+        from castspec.bench import run_throughput, save_throughput, throughput_table
+
+        result = run_throughput(target, tokenizer, draft, specs, prompts, args.max_new_tokens, sizes, partial)
+        partial.unlink(missing_ok=True)
+        title = (f"{args.model} ({args.dtype}), draft {args.draft}, {len(prompts)} prompts, "
+                 f"{args.max_new_tokens} new tokens, batched")
+        save_throughput(result, Path(args.out_dir), args.name, command, title)
+        print(throughput_table(result["summary"]))
+        print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
+        return
     result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=partial,
                            sampling=sampling, draft_sampling=args.draft_sampling)
     partial.unlink(missing_ok=True)
-    command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     title = f"{args.model} ({args.dtype}), draft {args.draft}, {len(prompts)} prompts, {args.max_new_tokens} new tokens"
     if not sampling.greedy:
         title += f", T={sampling.temperature:g}"

@@ -102,3 +102,29 @@ def test_bad_sampling_options_fail_before_loading_a_model():
     for flag, value, word in [("--temperature", "-1", "temperature"), ("--sample-top-k", "-2", "top_k")]:
         proc = run("generate", "--model", "no-such-model", "--method", "ar", "--prompt", "hi", flag, value)
         assert proc.returncode == 2 and word in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_batched_generate_equals_one_at_a_time(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": i, "prompt": p}) for i, p in
+                                 enumerate(["def add(a, b):", "Hi", "1, 2, 3, 1, 2, 3, 1,"])) + "\n")
+    common = ["generate", "--model", "smollm2-135m", "--drafter", "ngram", "--method", "eagle2", "--prompts-file",
+              str(prompts), "--max-new-tokens", "8", "--dtype", "fp32", "--json"]
+    outputs = {}
+    for size in ("1", "2"):
+        proc = run(*common, "--batch-size", size)
+        assert proc.returncode == 0, proc.stderr
+        outputs[size] = [json.loads(line)["output_ids"] for line in proc.stdout.splitlines()]
+    assert len(outputs["1"]) == 3 and outputs["1"] == outputs["2"]
+
+
+def test_throughput_bench_writes_results(tmp_path):
+    proc = run("bench", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--dtype", "fp32", "--per-set", "1",
+               "--max-new-tokens", "4", "--batch-sizes", "1,2", "--methods", "ar;eagle2:ngram:top_k=2,depth=2",
+               "--out-dir", str(tmp_path), "--name", "tp")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "tp.json").read_text())
+    assert {(r["batch_size"], r["method"]) for r in result["summary"]} == {
+        (b, m) for b in (1, 2) for m in ("ar", "eagle2:ngram:top_k=2,depth=2")}
+    assert all(r["same_as_ar"] == r["prompts"] == 3 for r in result["summary"])  # fp32: identical outputs
+    assert (tmp_path / "tp.png").stat().st_size > 0 and "speed-up over batched AR" in (tmp_path / "tp.md").read_text()
