@@ -46,15 +46,17 @@ def drafter_identity(draft_model=None) -> str:
 
 
 def find_cost_table(expect: dict, drafter: str) -> CostTable | None:
-    """A table under $CASTSPEC_HOME/costs measured on exactly this setup and drafter, if there is one."""
+    """A table under $CASTSPEC_HOME/costs measured on exactly this setup and drafter, if there is one; of
+    several, the one measured at the most batch sizes (so that batched decoding reads measured costs)."""
+    found = []
     for path in sorted((castspec_home() / "costs").glob("*.json")):
         try:
             table = CostTable.load(path, expect=expect)
         except CastspecError:
             continue
         if table.meta.get("draft", {}).get("model", table.meta.get("draft", {}).get("drafter")) == drafter:
-            return table
-    return None
+            found.append(table)
+    return max(found, key=lambda t: (len(t.target.batch_sizes), max(t.target.batch_sizes)), default=None)
 
 
 @dataclass

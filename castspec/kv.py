@@ -48,7 +48,8 @@ def crop(cache: DynamicCache, length: int) -> None:
 def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     """Keep only the batch rows `rows` (finished sequences leave the batch)."""
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        if getattr(layer, "keys", None) is not None:  # a layer that never ran holds nothing yet
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
 
 @torch.inference_mode()

@@ -82,3 +82,25 @@ def test_batch_input_errors(smollm):
         engine.generate_batch(prompts=[])
     with pytest.raises(CastspecError, match="empty"):
         engine.generate_batch(prompts=["hi", ""])
+
+
+def test_rows_can_leave_before_the_drafter_ever_ran(smollm, smollm_reference):
+    """CAST may skip drafting for many steps; a row that finishes meanwhile leaves a drafter with an empty cache."""
+    model, tokenizer = smollm
+    drafter = DraftModelDrafter(model)
+    drafter.reset(3)
+    drafter.keep_rows([0, 2])
+    assert drafter.lengths == [0, 0] and drafter.valid.shape == (2, 0)
+    engine = Engine(model, tokenizer, drafter, ChainPolicy(2))
+    ids = [engine.encode(prompt=p) for p in ["Hello", PROMPTS[0]]]
+    expected = [smollm_reference(tuple(i), n) for i, n in zip(ids, (2, 6), strict=True)]
+    with torch.inference_mode():
+        for policy in (NeverDraft(), ChainPolicy(2)):  # the second run starts the drafter afresh
+            stops = [StopCondition(n, engine.eos_ids, [], tokenizer) for n in (2, 6)]
+            outputs, _ = decode(Target(model), drafter, policy, ids, stops)
+            assert outputs == expected
+
+
+class NeverDraft(ChainPolicy):
+    def should_draft(self, ctx):
+        return False
