@@ -85,7 +85,10 @@ class CastPolicy(Policy):
             return True
         b, c = ctx.batch_size, ctx.context_length
         step = self.costs.normalised_draft(b, c, 1)
-        return any(d > d * step + self.costs.normalised_target(b, c, d + 1) - 1.0
+        # the first draft layer shares its forward with the catch-up of every token absorbed since the drafter
+        # last ran: after skipped steps that forward is wider, and drafting must pay for it too
+        first = self.costs.normalised_draft(b, c, max(1, ctx.pending))
+        return any(d > first + (d - 1) * step + self.costs.normalised_target(b, c, d + 1) - 1.0
                    for d in range(1, min(self.max_depth, ctx.depth_limit) + 1))
 
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:

@@ -76,7 +76,7 @@ def decode(
         t0 = _clock(target.device)
         limits = [min(stops[b].max_new_tokens - len(outputs[b]), window - target.lengths[i]) - 1
                   for i, b in enumerate(active)]
-        ctx = StepContext(len(active), target.length, max(limits))
+        ctx = StepContext(len(active), target.length, max(limits), max(len(unseen[b]) for b in active))
         trees, record = [DraftTree.single(roots[b]) for b in active], DraftRecord()
         if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
             trees, record = grow_trees(drafter, policy, [unseen[b] for b in active], ctx)

@@ -24,6 +24,7 @@ class StepContext:
     batch_size: int = 1
     context_length: int = 0  # tokens in the target's KV cache
     depth_limit: int = 1 << 30  # no node deeper than this (max_new_tokens or the context window is near)
+    pending: int = 1  # tokens the drafter must absorb before drafting (more than 1 after skipped draft steps)
 
 
 class Policy(ABC):

@@ -152,3 +152,7 @@ def test_auto_mode_skips_drafting_where_even_perfect_acceptance_cannot_pay():
     assert not CastPolicy(table(0.7, 0.4, fixed=0.3), auto=True).should_draft(ctx)
     assert CastPolicy(table(0.05, 0.1, fixed=0.95), auto=True).should_draft(ctx)
     assert CastPolicy(table(0.7, 0.4, fixed=0.3), auto=False).should_draft(ctx)  # the paper always drafts
+    # a drafter 40 tokens behind must absorb them in its first forward: that catch-up tips the balance
+    cheap = CastPolicy(table(0.05, 0.2, fixed=0.95), auto=True)
+    assert cheap.should_draft(StepContext(1, 16, pending=3))
+    assert not cheap.should_draft(StepContext(1, 16, pending=40))
