@@ -246,8 +246,8 @@ def run_throughput(target_model, tokenizer, draft_model, specs: list[MethodSpec]
     engine = next(iter(runners.values()))
     encoded = [engine.encode(messages=p["messages"]) if "messages" in p else engine.encode(prompt=p["prompt"])
                for p in prompts]
-    for runner in runners.values():  # warm-up at the largest batch: kernels, allocator
-        runner.generate_batch(prompt_ids=encoded[: max(batch_sizes)], max_new_tokens=min(8, max_new_tokens))
+    for runner in runners.values():  # warm-up (one short prompt: on a CPU a batched prefill costs minutes)
+        runner.generate_batch(prompt_ids=[min(encoded, key=len)], max_new_tokens=min(4, max_new_tokens))
     rows = []
     batches = [(b, encoded[i: i + b]) for b in batch_sizes for i in range(0, len(encoded), b)]
     progress = tqdm(total=len(batches) * len(runners), desc="throughput", unit="batch")
