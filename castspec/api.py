@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from castspec.cast import CastPolicy
 from castspec.cost import CostTable, model_identity, setup_key
 from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter, check_compatible
+from castspec.drafters.eagle_head import EagleHeadDrafter, load_eagle_head
 from castspec.drafters.ngram import NgramDrafter
 from castspec.engine import StepStats, StopCondition, decode
 from castspec.errors import CastspecError
@@ -41,7 +43,9 @@ def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int 
     raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def drafter_identity(draft_model=None) -> str:
+def drafter_identity(draft_model=None, head_source: str | None = None) -> str:
+    if head_source is not None:
+        return f"eagle-head:{Path(head_source).name}"
     return model_identity(draft_model) if draft_model is not None else "ngram"
 
 
@@ -112,13 +116,14 @@ class Engine:
     @classmethod
     def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
              dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
-             **policy_options) -> Engine:
+             head: str | None = None, **policy_options) -> Engine:
         if method not in METHODS:
             raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        if method != "ar" and draft is None and drafter is None:
-            raise CastspecError(f"method {method!r} needs a drafter: give --draft MODEL or --drafter ngram")
-        if draft is not None and drafter is not None:
-            raise CastspecError("give either a draft model or --drafter, not both")
+        if method != "ar" and draft is None and drafter is None and head is None:
+            raise CastspecError(f"method {method!r} needs a drafter: give --draft MODEL, --head EAGLE_HEAD or "
+                                "--drafter ngram")
+        if sum(x is not None for x in (draft, drafter, head)) > 1:
+            raise CastspecError("give one drafter: a draft model, an EAGLE head or --drafter, not several")
         if drafter is not None and drafter not in DRAFTERS:
             raise CastspecError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)} "
                                 "(or pass a draft model with --draft)")
@@ -133,11 +138,14 @@ class Engine:
         if method == "cast":
             expect = setup_key(target_model)
             table = (CostTable.load(cost_table, expect=expect, force=force_table) if cost_table
-                     else find_cost_table(expect, drafter_identity(draft_model)))
+                     else find_cost_table(expect, drafter_identity(draft_model, head)))
         policy = make_policy(method, cost_table=table, **policy_options)
         chosen: Drafter | None = None
         if policy is not None:
-            chosen = DraftModelDrafter(draft_model) if draft_model is not None else NgramDrafter()
+            if head is not None:
+                chosen = EagleHeadDrafter(load_eagle_head(head, target_model), target_model)
+            else:
+                chosen = DraftModelDrafter(draft_model) if draft_model is not None else NgramDrafter()
         return cls(target_model, tokenizer, chosen, policy)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

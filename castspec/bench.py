@@ -218,14 +218,15 @@ def plot_speedups(summary: list[dict], out: Path, title: str) -> None:
     plt.close(fig)
 
 
-def save_results(result: dict, out_dir: Path, name: str, command: str, title: str) -> None:
+def save_results(result: dict, out_dir: Path, name: str, command: str, title: str, throughput: bool = False) -> None:
+    """JSON, markdown table and plot of a Spec-Bench run (or, `throughput`, of a batched throughput run)."""
+    table, plot = (throughput_table, plot_throughput) if throughput else (markdown_table, plot_speedups)
     out_dir.mkdir(parents=True, exist_ok=True)
     result["meta"]["command"] = command
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
-    table = markdown_table(result["summary"])
     (out_dir / f"{name}.md").write_text(f"# {title}\n\nCommand:\n\n```\n{command}\n```\n\n{_meta_line(result)}\n\n"
-                                        f"{table}\n\n![speed-up]({name}.png)\n")
-    plot_speedups(result["summary"], out_dir / f"{name}.png", title)
+                                        f"{table(result['summary'])}\n\n![plot]({name}.png)\n")
+    plot(result["summary"], out_dir / f"{name}.png", title)
 
 
 def _meta_line(result: dict) -> str:
@@ -258,8 +259,10 @@ def run_throughput(target_model, tokenizer, draft_model, specs: list[MethodSpec]
             gens = runner.generate_batch(prompt_ids=batch, max_new_tokens=max_new_tokens)
             wall = time.perf_counter() - start
             steps = [s for g in gens for s in g.steps]
+            longest = max(gens, key=lambda g: len(g.steps))  # it was in every batched step
             rows.append({"batch_size": b, "method": label, "rows": len(batch),
                          "new_tokens": sum(len(g.output_ids) for g in gens), "wall_s": wall,
+                         "decode_s": sum(s.draft_s + s.verify_s for s in longest.steps),
                          "steps": max(len(g.steps) for g in gens),
                          "accepted": sum(len(g.output_ids) - 1 for g in gens), "row_steps": len(steps),
                          "mean_tree_size": statistics.fmean(s.tree_size for s in steps) if steps else 0.0,
@@ -280,14 +283,18 @@ def summarise_throughput(rows: list[dict]) -> list[dict]:
         at_b = [r for r in rows if r["batch_size"] == b]
         ar = [r for r in at_b if r["method"] == "ar"]
         ar_tps = sum(r["new_tokens"] for r in ar) / sum(r["wall_s"] for r in ar) if ar else None
+        ar_decode = _decode_rate(ar) if ar else None
         ar_outputs = [o for r in ar for o in r["output_ids"]]
         for method in dict.fromkeys(r["method"] for r in at_b):
             mine = [r for r in at_b if r["method"] == method]
             tps = sum(r["new_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+            decode = _decode_rate(mine)
             outputs = [o for r in mine for o in r["output_ids"]]
             row_steps = sum(r["row_steps"] for r in mine)
             out.append({"batch_size": b, "method": method, "tokens_per_s": round(tps, 3),
                         "speedup": round(tps / ar_tps, 3) if ar_tps else None,
+                        "decode_tokens_per_s": round(decode, 3) if decode else None,
+                        "decode_speedup": round(decode / ar_decode, 3) if decode and ar_decode else None,
                         "tau": round(sum(r["accepted"] for r in mine) / row_steps, 3) if row_steps else None,
                         "mean_tree_size": round(statistics.fmean(r["mean_tree_size"] for r in mine), 2),
                         "same_as_ar": sum(a == o for a, o in zip(ar_outputs, outputs, strict=False)),
@@ -295,12 +302,20 @@ def summarise_throughput(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _decode_rate(rows: list[dict]) -> float | None:
+    """Tokens/s of the decode steps alone: the prefill (minutes for a batch on a CPU) and its first token left out."""
+    decode_s = sum(r.get("decode_s", 0.0) for r in rows)
+    return sum(r["new_tokens"] - r["rows"] for r in rows) / decode_s if decode_s > 0 else None
+
+
 def throughput_table(summary: list[dict]) -> str:
-    lines = ["| B | method | tokens/s | speed-up over batched AR | tau | verify size | same as AR |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| B | method | tokens/s | speed-up over batched AR | decode-only speed-up | tau | verify size | "
+             "same as AR |", "|---|---|---|---|---|---|---|---|"]
     for r in summary:
+        decode = r.get("decode_speedup")
         lines.append(f"| {r['batch_size']} | `{r['method']}` | {r['tokens_per_s']:.2f} | "
-                     f"{r['speedup']:.2f}x | {_fmt(r['tau'])} | {_fmt(r['mean_tree_size'])} | "
+                     f"{r['speedup']:.2f}x | {f'{decode:.2f}x' if decode else '-'} | {_fmt(r['tau'])} | "
+                     f"{_fmt(r['mean_tree_size'])} | "
                      f"{r['same_as_ar']}/{r['prompts']} |")
     return "\n".join(lines)
 
@@ -327,13 +342,3 @@ def plot_throughput(summary: list[dict], out: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
-
-
-def save_throughput(result: dict, out_dir: Path, name: str, command: str, title: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result["meta"]["command"] = command
-    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
-    table = throughput_table(result["summary"])
-    (out_dir / f"{name}.md").write_text(f"# {title}\n\nCommand:\n\n```\n{command}\n```\n\n{_meta_line(result)}\n\n"
-                                        f"{table}\n\n![throughput]({name}.png)\n")
-    plot_throughput(result["summary"], out_dir / f"{name}.png", title)

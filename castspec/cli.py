@@ -226,13 +226,13 @@ def _cmd_bench(args) -> None:
     partial.unlink(missing_ok=True)
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if args.batch_sizes:
-        from castspec.bench import run_throughput, save_throughput, throughput_table
+        from castspec.bench import run_throughput, throughput_table
 
         result = run_throughput(target, tokenizer, draft, specs, prompts, args.max_new_tokens, sizes, partial)
         partial.unlink(missing_ok=True)
         title = (f"{args.model} ({args.dtype}), draft {args.draft}, {len(prompts)} prompts, "
                  f"{args.max_new_tokens} new tokens, batched")
-        save_throughput(result, Path(args.out_dir), args.name, command, title)
+        save_results(result, Path(args.out_dir), args.name, command, title, throughput=True)
         print(throughput_table(result["summary"]))
         print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
         return

@@ -69,14 +69,15 @@ def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def grow_trees(
-    drafter: Drafter, policy: Policy, new_tokens: list[list[int]], ctx: StepContext
+    drafter: Drafter, policy: Policy, new_tokens: list[list[int]], ctx: StepContext,
+    features: list[torch.Tensor] | None = None,
 ) -> tuple[list[DraftTree], DraftRecord]:
     """Draft one tree per row, rooted at new_tokens[b][-1]. The batch shares one width per layer and one verify
     budget (METHOD.md section 3); each row expands and keeps its own best nodes."""
     record = DraftRecord()
     policy.start_step(ctx)
     pools = [_Pool(tokens[-1]) for tokens in new_tokens]
-    cands = drafter.begin(new_tokens, policy.top_k)
+    cands = drafter.begin(new_tokens, policy.top_k, features)
     frontiers, layer = [[0] for _ in pools], 1
     try:
         while True:

@@ -64,10 +64,12 @@ def decode(
     outputs: list[list[int]] = [[] for _ in prompts]
     steps: list[list[StepStats]] = [[] for _ in prompts]
     generators = generators or [None] * len(prompts)
-    first = target.prefill(prompts)
+    layers = drafter.feature_layers if drafter is not None else ()
+    first, prompt_features = target.prefill(prompts, layers)
     roots = [accept(DraftTree.single(-1), first[b: b + 1], sampling, generators[b])[1] for b in range(len(prompts))]
     active = [b for b in range(len(prompts)) if not stops[b].push(outputs[b], roots[b])]
     unseen = {b: prompts[b] + [roots[b]] for b in active}  # accepted tokens the drafter has not absorbed yet
+    features = {b: [prompt_features[b]] for b in active} if layers else {}  # target features before them
     target.keep_rows(active)
     if drafter is not None:
         drafter.reset(len(active))
@@ -79,12 +81,13 @@ def decode(
         ctx = StepContext(len(active), target.length, max(limits), max(len(unseen[b]) for b in active))
         trees, record = [DraftTree.single(roots[b]) for b in active], DraftRecord()
         if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
-            trees, record = grow_trees(drafter, policy, [unseen[b] for b in active], ctx)
+            trees, record = grow_trees(drafter, policy, [unseen[b] for b in active], ctx,
+                                       [torch.cat(features[b]) for b in active] if layers else None)
             trees = [t.subtree((t.depths <= limit).nonzero().flatten())  # rows nearer their end draft less deep
                      for t, limit in zip(trees, limits, strict=True)]
-            unseen = {b: [] for b in active}
+            unseen, features = {b: [] for b in active}, {b: [] for b in features}
         t1 = _clock(target.device)
-        logits, _ = target.verify(trees)
+        logits, verified_features = target.verify(trees, layers)
         results = [accept(tree, logits[i, : len(tree)], sampling, generators[b])
                    for i, (b, tree) in enumerate(zip(active, trees, strict=True))]
         t2 = _clock(target.device)
@@ -96,6 +99,8 @@ def decode(
             if not any(stops[b].push(outputs[b], token) for token in new_tokens):
                 going.append(i)
                 unseen[b] += new_tokens
+                if layers:
+                    features[b].append(verified_features[i, [0, *path]])
                 roots[b] = bonus
         if policy is not None:
             policy.observe(emitted / len(active), t2 - t0)

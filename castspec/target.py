@@ -33,8 +33,10 @@ class Target:
     def max_positions(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Process the prompts (one per row); returns the logits that predict each row's first new token [B, V]."""
+    def prefill(self, prompts: list[list[int]], feature_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Process the prompts (one per row); returns the logits that predict each row's first new token [B, V]
+        and, with `feature_layers`, each row's features of its prompt tokens ([len(prompt), F] per row)."""
         self.cache = kv.new_cache(self.model)
         width = max(len(p) for p in prompts)
         tokens = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -48,15 +50,21 @@ class Target:
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         mask = (causal[None] & self.valid[:, None, :]) | torch.eye(width, dtype=torch.bool)[None]
         out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
-                         self._mask(mask) if len(prompts) > 1 else None, logits_to_keep=1)
-        return out.logits[:, -1].float()
+                         self._mask(mask) if len(prompts) > 1 else None, logits_to_keep=1,
+                         want_hidden=bool(feature_layers))
+        features = None
+        if feature_layers:
+            joined = _features(out, feature_layers)
+            features = [joined[row, width - len(p):] for row, p in enumerate(prompts)]
+        return out.logits[:, -1].float(), features
 
     def _mask(self, mask: torch.Tensor) -> torch.Tensor:
         return mask[:, None].to(self.device)
 
-    def verify(self, trees: list[DraftTree], want_hidden: bool = False):
-        """One forward over every row's tree (padded to the largest); returns (logits [B, n, V], last hidden
-        states [B, n, d] or None). Row b's node i is at [b, i]."""
+    def verify(self, trees: list[DraftTree], feature_layers: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over every row's tree (padded to the largest); returns (logits [B, n, V], features
+        [B, n, F] of `feature_layers` or None). Row b's node i is at [b, i]."""
         past, width = self.length, max(len(t) for t in trees)
         self._tree_start = past
         tokens = torch.zeros(len(trees), width, dtype=torch.long)
@@ -71,9 +79,8 @@ class Target:
             mask[row, :n, past: past + n] = tree.ancestor_mask()
             mask[row, n:, :past] = False  # padding nodes see nothing but themselves
         out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
-                         self._mask(mask), want_hidden=want_hidden)
-        hidden = out.hidden_states[-1] if want_hidden else None
-        return out.logits.float(), hidden
+                         self._mask(mask), want_hidden=bool(feature_layers))
+        return out.logits.float(), _features(out, feature_layers) if feature_layers else None
 
     def commit(self, kept_nodes: list[list[int]]) -> None:
         """Per row, keep the KV entries of `kept_nodes` (root first, then the accepted path) of the trees
@@ -90,3 +97,8 @@ class Target:
         kv.keep_rows(self.cache, torch.tensor(rows, dtype=torch.long, device=self.device))
         self.valid = self.valid[torch.tensor(rows, dtype=torch.long)]
         self.lengths = [self.lengths[r] for r in rows]
+
+
+def _features(out, layers: tuple[int, ...]) -> torch.Tensor:
+    """The hidden states of `layers` side by side (index -1: the last layer's, after the final norm)."""
+    return torch.cat([out.hidden_states[i] for i in layers], dim=-1)

@@ -28,7 +28,7 @@ class ScriptedDrafter(Drafter):
     def keep_rows(self, rows):
         pass
 
-    def begin(self, new_tokens, top_k):
+    def begin(self, new_tokens, top_k, features=None):
         self.calls.append(("begin", len(new_tokens)))
         return [top_candidates(child_logits(())[None], top_k) for _ in new_tokens]
 
@@ -105,7 +105,7 @@ def test_verified_set_is_ancestor_closed_and_ranked():
 
 
 class EmptyDrafter(ScriptedDrafter):
-    def begin(self, new_tokens, top_k):
+    def begin(self, new_tokens, top_k, features=None):
         return [Candidates(torch.zeros(1, top_k, dtype=torch.long), torch.zeros(1, top_k)) for _ in new_tokens]
 
 

@@ -317,7 +317,7 @@ def test_verifier_on_real_distributions(smollm):
     prompt = tokenizer("def fibonacci(n):\n    ")["input_ids"]
     target, drafter = Target(model), DraftModelDrafter(model)
     with torch.inference_mode():
-        root = int(target.prefill([prompt])[0].argmax())
+        root = int(target.prefill([prompt])[0][0].argmax())
         drafter.reset()
         tree, _ = grow_tree(drafter, Eagle2Policy(4, 2, 10), prompt + [root], StepContext(1, len(prompt), 4))
         probs = warp(target.verify([tree])[0][0], params)

@@ -49,6 +49,9 @@ class Drafter(ABC):
 
     name: str = "drafter"
     sampling: tuple[SamplingParams, torch.Generator] | None = None  # set: draw candidates instead of top-k
+    # target hidden-state layers the drafter reads (empty: tokens only); with them, `begin` receives, per row and
+    # per new token, the target's features at the position before that token (the very first token has none)
+    feature_layers: tuple[int, ...] = ()
 
     def sample_candidates(self, params: SamplingParams | None, generator: torch.Generator | None) -> None:
         """Draw candidates from the drafter's own distribution (warped like the target's) instead of taking
@@ -63,7 +66,8 @@ class Drafter(ABC):
         """Forget everything: the next `begin` receives each row's whole prompt."""
 
     @abstractmethod
-    def begin(self, new_tokens: list[list[int]], top_k: int) -> list[Candidates]:
+    def begin(self, new_tokens: list[list[int]], top_k: int,
+              features: list[torch.Tensor] | None = None) -> list[Candidates]:
         """Absorb each row's newly accepted tokens and propose its root's children (one candidate row each)."""
 
     @abstractmethod

@@ -54,29 +54,54 @@ class DraftModelDrafter(Drafter):
         self.base = 0  # cache columns up to this step's roots: where the trees' entries begin
         self.cached_nodes: list[dict[int, int]] = [{} for _ in range(batch_size)]  # pool node -> cache column
 
-    def begin(self, new_tokens: list[list[int]], top_k: int) -> list[Candidates]:
+    def _paired(self, new_tokens: list[list[int]], features: list[torch.Tensor] | None) -> list[list[int]]:
+        """The tokens this drafter absorbs (a feature-level head drops the one with no feature before it)."""
+        return new_tokens
+
+    @torch.inference_mode()
+    def _run(self, tokens, positions, mask, features, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, the hidden states later nodes take as input, or None) of one forward against the cache."""
+        out = kv.forward(self.model, self.cache, tokens, positions, mask, logits_to_keep=1 if last_only else 0)
+        return out.logits, None
+
+    def _remember(self, row: int, node: int, hidden: torch.Tensor) -> None:
+        """Keep what a child of `node` will need as input (nothing, for a draft model)."""
+
+    def _parent_feature(self, row: int, pool: DraftTree, node: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def begin(self, new_tokens: list[list[int]], top_k: int,
+              features: list[torch.Tensor] | None = None) -> list[Candidates]:
+        new_tokens = self._paired(new_tokens, features)
         # rows absorb different numbers of tokens: right-align them (holes on the left) so that the last column
         # is every row's root and one logits row per sequence suffices
         start, width, rows = kv.cache_length(self.cache), max(len(t) for t in new_tokens), len(new_tokens)
         tokens = torch.zeros(rows, width, dtype=torch.long)
         positions = torch.zeros(rows, width, dtype=torch.long)
         chunk_valid = torch.zeros(rows, width, dtype=torch.bool)
+        inputs = None if not self.feature_layers else torch.zeros(rows, width, features[0].shape[-1],
+                                                                    dtype=features[0].dtype)
         for row, new in enumerate(new_tokens):
             tokens[row, width - len(new):] = torch.tensor(new)
             positions[row, width - len(new):] = torch.arange(self.lengths[row], self.lengths[row] + len(new))
             chunk_valid[row, width - len(new):] = True
+            if inputs is not None:
+                inputs[row, width - len(new):] = features[row].cpu()
             self.lengths[row] += len(new)
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), causal[None] & chunk_valid[:, None, :]],
                          dim=2)
         mask &= chunk_valid[:, :, None]  # a hole sees only itself
         mask[:, :, start:] |= torch.eye(width, dtype=torch.bool)
-        out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
-                         mask[:, None].to(self.device), logits_to_keep=1)
+        logits, hidden = self._run(tokens.to(self.device), positions.to(self.device), mask[:, None].to(self.device),
+                                   None if inputs is None else inputs.to(self.device), last_only=True)
         self.valid = torch.cat([self.valid, chunk_valid], dim=1)
         self.base = start + width
         self.cached_nodes = [{0: self.base - 1} for _ in range(rows)]
-        return _split(self._candidates(out.logits[:, -1], top_k))
+        if hidden is not None:
+            for row in range(rows):
+                self._remember(row, 0, hidden[row, -1])
+        return _split(self._candidates(logits[:, -1], top_k))
 
     def expand(self, pools: list[DraftTree], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
         past, width = kv.cache_length(self.cache), max(len(f) for f in frontiers)
@@ -87,6 +112,7 @@ class DraftModelDrafter(Drafter):
         positions = torch.zeros(rows, width, dtype=torch.long)
         mask = torch.zeros(rows, width, past + width, dtype=torch.bool)
         mask[:, :, past:] = torch.eye(width, dtype=torch.bool)
+        inputs = [[None] * width for _ in range(rows)] if self.feature_layers else None
         for row, (pool, frontier) in enumerate(zip(pools, frontiers, strict=True)):
             columns = self.cached_nodes[row]
             for i, node in enumerate(frontier):
@@ -96,9 +122,19 @@ class DraftModelDrafter(Drafter):
                 for ancestor in pool.path_to(node)[:-1]:
                     mask[row, i, columns[ancestor]] = True
                 columns[node] = past + i
-        out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
-                         mask[:, None].to(self.device))
-        cands = self._candidates(out.logits, top_k)
+                if inputs is not None:
+                    inputs[row][i] = self._parent_feature(row, pool, node)
+        features = None
+        if inputs is not None:
+            filler = inputs[0][0]
+            features = torch.stack([torch.stack([f if f is not None else filler for f in r]) for r in inputs])
+        logits, hidden = self._run(tokens.to(self.device), positions.to(self.device), mask[:, None].to(self.device),
+                                   features, last_only=False)
+        if hidden is not None:
+            for row, frontier in enumerate(frontiers):
+                for i, node in enumerate(frontier):
+                    self._remember(row, node, hidden[row, i])
+        cands = self._candidates(logits, top_k)
         return [Candidates(cands.tokens[row, : len(f)], cands.probs[row, : len(f)],
                            None if cands.proposal is None else cands.proposal[row, : len(f)])
                 for row, f in enumerate(frontiers)]

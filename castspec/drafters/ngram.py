@@ -63,7 +63,7 @@ class NgramDrafter(Drafter):
             probs[row, : len(ps)] = torch.tensor(ps)
         return Candidates(tokens, probs)
 
-    def begin(self, new_tokens: list[list[int]], top_k: int) -> list[Candidates]:
+    def begin(self, new_tokens: list[list[int]], top_k: int, features=None) -> list[Candidates]:
         out = []
         for index, new in zip(self.rows, new_tokens, strict=True):
             for token in new:
