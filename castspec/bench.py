@@ -20,6 +20,7 @@ from tqdm import tqdm
 from castspec.api import Engine, drafter_identity, find_cost_table, make_policy
 from castspec.cost import setup_key
 from castspec.drafters.draft_model import DraftModelDrafter
+from castspec.drafters.eagle_head import EagleHeadDrafter
 from castspec.drafters.ngram import NgramDrafter
 from castspec.errors import CastspecError
 from castspec.sampling import SamplingParams
@@ -72,32 +73,43 @@ class _HfBaseline:
         return out[0, len(prompt_ids):].tolist(), None
 
 
-def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec]) -> dict:
+def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head=None) -> dict:
+    """One runner per method. `head`: (EagleHead, its source) for the methods whose drafter is 'head'."""
     runners = {}
     for spec in specs:
+        needs = {"draft": draft_model, "head": head}
+        if spec.method == "hf-assisted" and draft_model is None:
+            raise CastspecError("hf-assisted needs a draft model (--draft)")
+        if spec.method not in ("ar", "hf-prompt-lookup") and spec.drafter in needs and needs[spec.drafter] is None:
+            raise CastspecError(f"{spec.label} drafts with a {spec.drafter}, and none was given "
+                                f"(--{spec.drafter} ...)")
         if spec.method.startswith("hf-"):
             runners[spec.label] = _HfBaseline(target_model, tokenizer, spec.method, draft_model)
             continue
         options = dict(spec.options)
         if spec.method == "cast":
-            drafter_id = drafter_identity(draft_model if spec.drafter == "draft" else None)
+            drafter_id = drafter_identity(draft_model if spec.drafter == "draft" else None,
+                                          head[1] if spec.drafter == "head" else None)
             options["cost_table"] = find_cost_table(setup_key(target_model), drafter_id)
             options["cast_auto"] = bool(options.pop("auto", 1))
         policy = make_policy(spec.method, **options)
         drafter = None
         if policy is not None:
-            drafter = DraftModelDrafter(draft_model) if spec.drafter == "draft" else NgramDrafter()
+            if spec.drafter == "head":
+                drafter = EagleHeadDrafter(head[0], target_model)
+            else:
+                drafter = DraftModelDrafter(draft_model) if spec.drafter == "draft" else NgramDrafter()
         runners[spec.label] = Engine(target_model, tokenizer, drafter, policy)
     return runners
 
 
 def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
                   max_new_tokens: int, warmup: int = 1, partial: Path | None = None,
-                  sampling: SamplingParams | None = None, draft_sampling: str = "topk") -> dict:
+                  sampling: SamplingParams | None = None, draft_sampling: str = "topk", head=None) -> dict:
     """Run every method on every prompt. With `partial`, each finished generation is appended there as a JSON
     line at once, so an interrupted run keeps what it measured. With `sampling`, every method samples with the
     same parameters and seed."""
-    runners = _runners(target_model, tokenizer, draft_model, specs)
+    runners = _runners(target_model, tokenizer, draft_model, specs, head)
     encoder = next(r for r in runners.values() if isinstance(r, Engine)) if runners else None
     encoded = [encoder.encode(messages=p["messages"]) if "messages" in p else encoder.encode(prompt=p["prompt"])
                for p in prompts]
@@ -238,12 +250,12 @@ def _meta_line(result: dict) -> str:
 # ---- batched throughput ------------------------------------------------------------------------------------------
 
 def run_throughput(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
-                   max_new_tokens: int, batch_sizes: list[int], partial: Path | None = None) -> dict:
+                   max_new_tokens: int, batch_sizes: list[int], partial: Path | None = None, head=None) -> dict:
     """For each batch size B, every method decodes the prompts in batches of B (methods interleaved per batch);
     throughput = all new tokens / all wall time; speed-up over batched AR at the same B."""
     if any(spec.method.startswith("hf-") for spec in specs):
         raise CastspecError("the HF baselines decode one prompt at a time: leave them out of a batched run")
-    runners = _runners(target_model, tokenizer, draft_model, specs)
+    runners = _runners(target_model, tokenizer, draft_model, specs, head)
     engine = next(iter(runners.values()))
     encoded = [engine.encode(messages=p["messages"]) if "messages" in p else engine.encode(prompt=p["prompt"])
                for p in prompts]

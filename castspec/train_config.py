@@ -1,0 +1,20 @@
+"""Settings of `castspec train-head` (a module of its own so that the CLI parser needs no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    conversations: int = 600
+    max_length: int = 256
+    epochs: int = 2
+    batch_size: int = 4
+    lr: float = 5e-4
+    warmup: int = 20
+    noise: float = 0.05  # std of the input-feature noise, relative to the features' RMS
+    p_weight: float = 0.1
+    save_every: int = 50
+    validation: int = 24  # sequences held out
+    seed: int = 0

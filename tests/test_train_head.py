@@ -1,0 +1,56 @@
+"""`castspec train-head` on the real SmolLM2 and real ShareGPT conversations, tiny settings: the loss falls,
+an interrupted run resumed with --resume ends exactly where an uninterrupted one does, and misuse is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from castspec.drafters.eagle_head import load_eagle_head
+from castspec.errors import CastspecError
+from castspec.prompts import load_sharegpt
+from castspec.train_config import TrainConfig
+from castspec.train_head import train, training_sequences
+
+TINY = TrainConfig(conversations=4, max_length=48, epochs=6, batch_size=3, lr=1e-3, warmup=1, noise=0.05,
+                   save_every=100, validation=1, seed=0)
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    return load_sharegpt(4)
+
+
+def test_sharegpt_and_sequences(smollm, conversations):
+    _, tokenizer = smollm
+    assert len(conversations) == 4
+    assert all(c[0]["role"] == "user" and c[1]["role"] == "assistant" for c in conversations)
+    sequences = training_sequences(tokenizer, conversations, 48)
+    assert sequences and all(16 <= len(s) <= 48 for s in sequences)
+    assert tokenizer.decode(sequences[0]).count(conversations[0][0]["content"][:20]) == 1
+
+
+def test_loss_falls_and_resume_is_exact(smollm, conversations, tmp_path):
+    model, tokenizer = smollm
+    features = tmp_path / "features"
+    whole = train(model, tokenizer, conversations, tmp_path / "whole", features, TINY)
+    history = json.loads((tmp_path / "whole" / "training.json").read_text())["history"]
+    assert history[-1]["loss"] < history[0]["loss"]  # 6 steps on the same 3 sequences: it must learn something
+    assert whole["steps"] == 6
+
+    stopped = train(model, tokenizer, conversations, tmp_path / "parts", features, TINY, stop_after_steps=3)
+    assert stopped["steps"] == 3 and stopped["stopped"] == "steps"
+    with pytest.raises(CastspecError, match="--resume"):
+        train(model, tokenizer, conversations, tmp_path / "parts", features, TINY)
+    with pytest.raises(CastspecError, match="different settings"):
+        train(model, tokenizer, conversations, tmp_path / "parts", features, dataclasses.replace(TINY, lr=1e-4),
+              resume=True)
+    with pytest.raises(CastspecError, match="nothing to resume"):
+        train(model, tokenizer, conversations, tmp_path / "fresh", features, TINY, resume=True)
+    train(model, tokenizer, conversations, tmp_path / "parts", features, TINY, resume=True)
+    a, b = load_eagle_head(str(tmp_path / "whole"), model), load_eagle_head(str(tmp_path / "parts"), model)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
