@@ -128,3 +128,36 @@ def test_throughput_bench_writes_results(tmp_path):
         (b, m) for b in (1, 2) for m in ("ar", "eagle2:ngram:top_k=2,depth=2")}
     assert all(r["same_as_ar"] == r["prompts"] == 3 for r in result["summary"])  # fp32: identical outputs
     assert (tmp_path / "tp.png").stat().st_size > 0 and "speed-up over batched AR" in (tmp_path / "tp.md").read_text()
+    assert all(r["decode_speedup"] is not None for r in result["summary"])
+
+
+def test_train_head_refuses_bad_settings_before_loading():
+    for flag, value, word in [("--epochs", "0", "--epochs must be positive"), ("--lr", "-1", "--lr must be")]:
+        proc = run("train-head", "--target", "no-such-model", "--out", "nowhere", flag, value)
+        assert proc.returncode == 2 and word in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_and_bench_with_an_eagle_head(tmp_path):
+    import torch
+
+    from castspec.drafters.eagle_head import EagleHead, head_config, save_eagle_head
+    from castspec.models import load_model
+
+    model, _ = load_model("smollm2-135m", "fp32")
+    torch.manual_seed(0)
+    save_eagle_head(EagleHead(head_config(model)), tmp_path / "head")
+    common = ["--model", "smollm2-135m", "--dtype", "fp32", "--max-new-tokens", "6"]
+    texts = []
+    for extra in (["--method", "ar"], ["--method", "eagle2", "--head", str(tmp_path / "head"), "--top-k", "2"]):
+        proc = run("generate", *common, "--prompt", "def add(a, b):", "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        texts.append(json.loads(proc.stdout)["output_ids"])
+    assert texts[0] == texts[1]
+    bench = ["bench", *common, "--draft", "none", "--sets", "mtbench", "--per-set", "1", "--out-dir", str(tmp_path),
+             "--name", "h"]
+    proc = run(*bench, "--methods", "ar;chain:head:chain_length=2")
+    assert proc.returncode == 2 and "--head" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run(*bench, "--head", str(tmp_path / "head"), "--methods", "ar;chain:head:chain_length=2")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "h.json").read_text())["rows"]
+    assert len(rows) == 2 and rows[0]["output_ids"] == rows[1]["output_ids"]
