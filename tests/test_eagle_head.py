@@ -12,7 +12,14 @@ from synthetic import flat_costs
 
 from castspec import Engine
 from castspec.cast import CastPolicy
-from castspec.drafters.eagle_head import EagleHead, EagleHeadDrafter, head_config, load_eagle_head, save_eagle_head
+from castspec.drafters.eagle_head import (
+    Eagle3Head,
+    EagleHead,
+    EagleHeadDrafter,
+    head_config,
+    load_eagle_head,
+    save_eagle_head,
+)
 from castspec.drafting import _Pool
 from castspec.errors import CastspecError
 from castspec.policies import ChainPolicy, Eagle2Policy
@@ -80,9 +87,9 @@ def test_wrong_heads_are_refused_clearly(smollm, random_head, tmp_path):
     _write(tmp_path / "vocab", dict(state, **{"embed_tokens.weight": torch.zeros(1000, d)}), config)
     with pytest.raises(CastspecError, match="another tokenizer"):
         load_eagle_head(str(tmp_path / "vocab"), model)
-    _write(tmp_path / "eagle3", {"midlayer.hidden_norm.weight": torch.ones(d), "d2t": torch.zeros(8)}, config)
-    with pytest.raises(CastspecError, match="EAGLE-3"):
-        load_eagle_head(str(tmp_path / "eagle3"), model)
+    _write(tmp_path / "nofc", {"layers.0.mlp.up_proj.weight": torch.ones(d)}, config)
+    with pytest.raises(CastspecError, match="no fc.weight"):
+        load_eagle_head(str(tmp_path / "nofc"), model)
     (tmp_path / "empty").mkdir()
     with pytest.raises(CastspecError, match="config.json"):
         load_eagle_head(str(tmp_path / "empty"), model)
@@ -148,3 +155,96 @@ def test_head_decoding_matches_hf_greedy(smollm, smollm_reference, random_head):
             assert got.output_ids == smollm_reference(tuple(prompt_ids), 20), name
         alone = engine.generate(prompt_ids=ids[0], max_new_tokens=20)
         assert alone.output_ids == smollm_reference(tuple(ids[0]), 20), name
+
+
+@pytest.fixture(scope="module")
+def eagle3_checkpoint(smollm, tmp_path_factory):
+    """A random EAGLE-3 head for SmolLM2 written in the EAGLE-3 layout: a 4096-token draft vocabulary (the
+    target ids it covers chosen at random, always including the ids the test prompts need)."""
+    model, _ = smollm
+    torch.manual_seed(1)
+    vocab, layers = model.config.vocab_size, model.config.num_hidden_layers
+    chosen = torch.randperm(vocab)[:4096].sort().values
+    config = head_config(model).to_dict()
+    config.pop("_attn_implementation_internal", None)
+    config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=4096)
+    head = Eagle3Head(head_config(model), model.config.hidden_size, 4096, (2, layers // 2, layers - 3))
+    for p in head.parameters():
+        p.data.normal_(0, 0.05)
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary")}
+    state["d2t"] = chosen - torch.arange(4096)
+    state["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+    state["t2d"][chosen] = True
+    directory = tmp_path_factory.mktemp("eagle3")
+    _write(directory, state, config)
+    return directory, chosen
+
+
+def test_eagle3_layout_loads_and_maps_its_vocabulary(smollm, eagle3_checkpoint, tmp_path):
+    model, _ = smollm
+    directory, chosen = eagle3_checkpoint
+    head = load_eagle_head(str(directory), model)
+    layers = model.config.num_hidden_layers
+    assert isinstance(head, Eagle3Head) and head.feature_layers == (2, layers // 2, layers - 3)
+    with torch.inference_mode():
+        logits = head.logits(torch.randn(1, 2, model.config.hidden_size), model.get_output_embeddings())
+    assert logits.shape[-1] == model.config.vocab_size
+    assert torch.isfinite(logits[..., chosen]).all() and torch.isinf(logits).sum() == 2 * (logits.shape[-1] - 4096)
+    from safetensors.torch import load_file
+
+    state = load_file(str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    narrow = dict(state, **{"fc.weight": state["fc.weight"][:, :-9].contiguous()})
+    _write(tmp_path / "narrow", narrow, config)
+    with pytest.raises(CastspecError, match="fuses features of width"):
+        load_eagle_head(str(tmp_path / "narrow"), model)
+    far = dict(state, d2t=state["d2t"] + 10 ** 6)
+    _write(tmp_path / "far", far, config)
+    with pytest.raises(CastspecError, match="another tokenizer"):
+        load_eagle_head(str(tmp_path / "far"), model)
+
+
+@torch.inference_mode()
+def test_eagle3_cached_tree_forwards_equal_an_incremental_run(smollm, eagle3_checkpoint):
+    model, tokenizer = smollm
+    head = load_eagle_head(str(eagle3_checkpoint[0]), model)
+    prompts = [tokenizer("def add(a, b):")["input_ids"], tokenizer("Paris is the capital of")["input_ids"]]
+    feats = []
+    for p in prompts:
+        states = model(torch.tensor([p]), output_hidden_states=True).hidden_states
+        feats.append(torch.cat([states[i][0] for i in head.feature_layers], dim=-1))
+    drafter = EagleHeadDrafter(head, model)
+    drafter.reset(2)
+    cands = drafter.begin([p + [7] for p in prompts], 4, feats)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    pools, frontiers, expected = [], [], []
+    for row, prompt in enumerate(prompts):
+        from castspec import kv
+
+        cache = kv.new_cache(head)
+        tokens = prompt[1:] + [7]
+        hidden = head(embed(torch.tensor([tokens])), feats[row][None], torch.arange(len(tokens))[None], None, cache)
+        top = torch.softmax(head.logits(hidden[0, -1], lm_head), -1).topk(4)
+        assert cands[row].tokens[0].tolist() == top.indices.tolist()
+        pool = _Pool(7)
+        nodes, _ = pool.add_layer([0], cands[row])
+        pools.append(pool)
+        frontiers.append(nodes[:2])
+        child = int(pool.tokens[nodes[1]])
+        deeper = head(embed(torch.tensor([[child]])), hidden[:, -1:], torch.tensor([[len(tokens)]]), None, cache)
+        expected.append(torch.softmax(head.logits(deeper[0, -1], lm_head), -1).topk(4))
+    second = drafter.expand([p.tree() for p in pools], frontiers, 4)
+    for row in range(2):
+        assert second[row].tokens[1].tolist() == expected[row].indices.tolist()
+        torch.testing.assert_close(second[row].probs[1], expected[row].values, rtol=1e-4, atol=1e-5)
+    drafter.end_step()
+
+
+def test_eagle3_decoding_matches_hf_greedy(smollm, smollm_reference, eagle3_checkpoint):
+    model, tokenizer = smollm
+    head = load_eagle_head(str(eagle3_checkpoint[0]), model)
+    for policy in (ChainPolicy(3), Eagle2Policy(4, 3, 12)):
+        engine = Engine(model, tokenizer, EagleHeadDrafter(head, model), policy)
+        ids = [engine.encode(prompt=p) for p in PROMPTS[:3]]
+        for got, prompt_ids in zip(engine.generate_batch(prompt_ids=ids, max_new_tokens=16), ids, strict=True):
+            assert got.output_ids == smollm_reference(tuple(prompt_ids), 16)

@@ -11,7 +11,8 @@ the draft model; the KV bookkeeping is the draft model's (`DraftModelDrafter`), 
 Checkpoints use the public EAGLE layout: `config.json` (a Llama config, `num_hidden_layers` = head layers) and
 `model.safetensors` or `pytorch_model.bin` with `fc.weight` [d, 2d] (+ optional `fc.bias`), `layers.{i}.*` as in a
 Llama decoder layer (layer 0 without `input_layernorm`: EAGLE feeds it the fc output unnormalised) and optionally
-`embed_tokens.weight` (absent: the target's embeddings are used)."""
+`embed_tokens.weight` (absent: the target's embeddings are used). EAGLE-3 checkpoints (`midlayer.*`, `fc.weight`
+[d, 3 d_target], `norm.weight`, `lm_head.weight` [draft vocab, d], `d2t`, `t2d`) load as `Eagle3Head`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from castspec import kv
 from castspec.drafters.draft_model import DraftModelDrafter
@@ -44,6 +45,8 @@ def head_config(target_model, layers: int = 1) -> LlamaConfig:
 
 
 class EagleHead(nn.Module):
+    feature_layers: tuple[int, ...] = (-1,)  # the target's last hidden state, after its final norm
+
     def __init__(self, config: LlamaConfig, fc_bias: bool = False) -> None:
         super().__init__()
         config._attn_implementation = "sdpa"  # takes the boolean tree masks as they are
@@ -63,6 +66,58 @@ class EagleHead(nn.Module):
             hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache,
                            use_cache=cache is not None, position_embeddings=rope)
         return hidden
+
+    def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        return target_lm_head(hidden)
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3: fc fuses three target layers' hidden states (low, middle, high) into one feature; the single
+    `midlayer` attends over [input_layernorm(embedding) ; hidden_norm(feature)] (2d wide q/k/v) and adds the
+    result to the feature; its own norm + lm_head predict over a reduced draft vocabulary, mapped to target ids
+    by d2t (target id = draft id + d2t[draft id]). Inside a tree a node's feature is its parent's output,
+    taken as it is (not through fc)."""
+
+    def __init__(self, config: LlamaConfig, target_hidden: int, draft_vocab: int, feature_layers: tuple[int, ...]
+                 ) -> None:
+        super().__init__()
+        config._attn_implementation = "sdpa"
+        self.config, self.feature_layers = config, tuple(feature_layers)
+        d, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or d // heads
+        self.embed_tokens: nn.Embedding | None = None
+        self.fc = nn.Linear(len(self.feature_layers) * target_hidden, d, bias=False)
+        self.midlayer = LlamaDecoderLayer(config, 0)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.midlayer.self_attn.q_proj = nn.Linear(2 * d, heads * head_dim, bias=bias)
+        self.midlayer.self_attn.k_proj = nn.Linear(2 * d, kv_heads * head_dim, bias=bias)
+        self.midlayer.self_attn.v_proj = nn.Linear(2 * d, kv_heads * head_dim, bias=bias)
+        self.midlayer.hidden_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        features = features.to(embeddings.dtype)
+        # target features arrive as the fused layers (wider than d); a tree node's feature is already d wide
+        hidden = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        layer = self.midlayer
+        fused = torch.cat([layer.input_layernorm(embeddings), layer.hidden_norm(hidden)], dim=-1)
+        attended, _ = layer.self_attn(hidden_states=fused, attention_mask=mask, position_ids=positions,
+                                      cache=cache, use_cache=cache is not None,
+                                      position_embeddings=self.rotary(hidden, positions))
+        hidden = hidden + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """Target-vocabulary logits: tokens outside the draft vocabulary get -inf (probability 0)."""
+        draft = self.lm_head(self.norm(hidden))
+        full = draft.new_full((*draft.shape[:-1], self.t2d.shape[0]), float("-inf"))
+        full[..., torch.arange(draft.shape[-1], device=draft.device) + self.d2t] = draft
+        return full
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -91,15 +146,13 @@ def _locate(source: str) -> Path:
         raise CastspecError(f"could not fetch the EAGLE head {source!r} from the hub: {e}") from e
 
 
-def load_eagle_head(source: str, target_model) -> EagleHead:
-    """An EAGLE-1/2 head from a local directory or a hub id, checked against the target it will draft for."""
+def load_eagle_head(source: str, target_model) -> EagleHead | Eagle3Head:
+    """An EAGLE-1/2 or EAGLE-3 head from a local directory or a hub id, checked against the target it will
+    draft for."""
     directory = _locate(source)
     if not (directory / "config.json").is_file():
         raise CastspecError(f"{directory} has no config.json: not an EAGLE head checkpoint")
     weights = _read_weights(directory)
-    if any(k.startswith("midlayer.") or k in ("d2t", "t2d") for k in weights):
-        raise CastspecError(f"{source} is an EAGLE-3 head (midlayer / d2t / t2d keys): castspec loads EAGLE-1/2 "
-                            "heads only so far")
     if "fc.weight" not in weights:
         raise CastspecError(f"{source}: no fc.weight: not an EAGLE head (keys: {', '.join(sorted(weights)[:6])} ...)")
     try:
@@ -109,6 +162,10 @@ def load_eagle_head(source: str, target_model) -> EagleHead:
         raise CastspecError(f"{directory / 'config.json'} is not a valid Llama config for an EAGLE head: {e}") from e
     target_hidden = target_model.config.hidden_size
     target_vocab = target_model.get_output_embeddings().weight.shape[0]
+    if any(k.startswith("midlayer.") for k in weights):
+        head = _eagle3(source, config, weights, target_model, target_hidden, target_vocab)
+        return head.to(device=next(target_model.parameters()).device,
+                       dtype=next(target_model.parameters()).dtype).eval()
     if config.hidden_size != target_hidden or weights["fc.weight"].shape != (target_hidden, 2 * target_hidden):
         raise CastspecError(f"the EAGLE head {source} works on features of size {config.hidden_size} "
                             f"(fc {tuple(weights['fc.weight'].shape)}); the target's are {target_hidden}")
@@ -129,6 +186,42 @@ def load_eagle_head(source: str, target_model) -> EagleHead:
     return head.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
 
 
+def _eagle3(source: str, config: LlamaConfig, weights: dict, target_model, target_hidden: int,
+            target_vocab: int) -> Eagle3Head:
+    for key in ("d2t", "lm_head.weight"):
+        if key not in weights:
+            raise CastspecError(f"the EAGLE-3 head {source} has no {key}")
+    layers_total = target_model.config.num_hidden_layers
+    aux = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    # EAGLE-3 reads the hidden states entering layers 2, L/2 and L-3 (outputs of the layer before each); in
+    # `transformers`' hidden_states tuple (entry 0 = embeddings) that is index i for "entering layer i"
+    layers = tuple(i + 1 for i in aux) if aux else (2, layers_total // 2, layers_total - 3)
+    fc = weights["fc.weight"]
+    if fc.shape[1] != len(layers) * target_hidden:
+        raise CastspecError(f"the EAGLE-3 head {source} fuses features of width {fc.shape[1]}; this target gives "
+                            f"{len(layers)} x {target_hidden} = {len(layers) * target_hidden}")
+    draft_vocab = weights["lm_head.weight"].shape[0]
+    t2d = weights.get("t2d")
+    if (t2d is not None and t2d.shape[0] != target_vocab) or int((torch.arange(draft_vocab) + weights["d2t"]).max()
+                                                                  ) >= target_vocab:
+        raise CastspecError(f"the EAGLE-3 head {source} maps its {draft_vocab} draft tokens into a vocabulary other "
+                            f"than the target's {target_vocab}: it was trained for another tokenizer")
+    config.vocab_size = target_vocab
+    head = Eagle3Head(config, target_hidden, draft_vocab, layers)
+    embed = weights.pop("embed_tokens.weight", None)
+    weights.setdefault("t2d", torch.zeros(target_vocab, dtype=torch.bool))
+    missing, unexpected = head.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CastspecError(f"the EAGLE-3 head {source} does not match the EAGLE-3 layout: missing {missing[:5]}, "
+                            f"unexpected {unexpected[:5]}")
+    if embed is not None:
+        if embed.shape[0] != target_vocab:
+            raise CastspecError(f"the EAGLE-3 head {source} embeds {embed.shape[0]} tokens, the target has "
+                                f"{target_vocab}: it was trained for another tokenizer")
+        head.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+    return head
+
+
 def save_eagle_head(head: EagleHead, directory: Path, extra: dict | None = None) -> None:
     """Write the head in the EAGLE layout (no embeddings, no lm_head: both are the target's)."""
     from safetensors.torch import save_file
@@ -145,14 +238,13 @@ def save_eagle_head(head: EagleHead, directory: Path, extra: dict | None = None)
 
 
 class EagleHeadDrafter(DraftModelDrafter):
-    """Drafts with an EAGLE head over the target's features; the target must be verified with
-    `feature_layers` (the engine does it when a drafter asks)."""
+    """Drafts with an EAGLE-1/2 or EAGLE-3 head over the target's features; the engine verifies with the
+    head's `feature_layers` and hands the features to `begin`."""
 
     name = "eagle-head"
-    feature_layers = (-1,)  # the target's last hidden state, after its final norm
 
-    def __init__(self, head: EagleHead, target_model) -> None:
-        self.head = head
+    def __init__(self, head: EagleHead | Eagle3Head, target_model) -> None:
+        self.head, self.feature_layers = head, head.feature_layers
         self.embed = head.embed_tokens or target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
         super().__init__(head)
@@ -173,7 +265,7 @@ class EagleHeadDrafter(DraftModelDrafter):
         hidden = self.head(self.embed(tokens), features, positions, mask, self.cache)
         if last_only:
             hidden = hidden[:, -1:]
-        return self.lm_head(hidden), hidden
+        return self.head.logits(hidden, self.lm_head), hidden
 
     def _remember(self, row: int, node: int, hidden: torch.Tensor) -> None:
         self.node_features[row][node] = hidden
