@@ -4,8 +4,10 @@ stored as a table keyed by the setup it was measured on, read back by interpolat
 Interpolation scheme: at each measured batch size, bilinear in (c, n) over the measured grid, with linear
 extrapolation from the last two grid points beyond its edges (attention grows about linearly in c, the MLP in n)
 and never below the nearest measured value; between measured batch sizes, linear in B; beyond them, linear
-extrapolation from the two nearest (or proportional to B when only one was measured). The stored grid is made
-non-decreasing in n and c (running maximum) before use, so the lookup is non-decreasing in n and c too."""
+extrapolation from the two nearest (or proportional to B when only one was measured). Before use, each batch
+size's (c, n) plane is replaced by its least-squares isotonic fit (non-decreasing in c and in n), so the lookup
+is non-decreasing in n and c too; unlike a running maximum, one slow outlier is averaged with its neighbours
+instead of being carried to every larger point."""
 
 from __future__ import annotations
 
@@ -93,17 +95,8 @@ class CostGrid:
         if len(self.seconds) != shape[0] or any(len(r) != shape[1] or any(len(c) != shape[2] for c in r)
                                                 for r in self.seconds):
             raise CastspecError(f"cost grid values do not match its axes {shape}")
-        # running maximum along c, then n: a longer context or more tokens never costs less
-        self.monotone = [[list(row) for row in plane] for plane in self.seconds]
-        for plane in self.monotone:
-            for ci in range(len(plane)):
-                for ni in range(len(plane[ci])):
-                    below = [plane[ci][ni]]
-                    if ci:
-                        below.append(plane[ci - 1][ni])
-                    if ni:
-                        below.append(plane[ci][ni - 1])
-                    plane[ci][ni] = max(below)
+        # a longer context or more tokens never costs less
+        self.monotone = [isotonic_plane(plane) for plane in self.seconds]
 
     def _at_batch(self, b: int, c: float, n: float) -> float:
         plane = self.monotone[b]
@@ -115,6 +108,40 @@ class CostGrid:
         if len(values) == 1:
             return values[0] * batch_size / self.batch_sizes[0] if batch_size > self.batch_sizes[0] else values[0]
         return _interp(self.batch_sizes, values, batch_size)
+
+
+def _isotonic(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit of a sequence (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def isotonic_plane(plane: list[list[float]], iterations: int = 200, tolerance: float = 1e-12) -> list[list[float]]:
+    """The least-squares fit to plane[c][n] that is non-decreasing along both axes: Dykstra's alternating
+    projections onto the row-monotone and the column-monotone sets (each projection is 1-D isotonic)."""
+    rows, cols = len(plane), len(plane[0])
+    x = [list(r) for r in plane]
+    p = [[0.0] * cols for _ in range(rows)]
+    q = [[0.0] * cols for _ in range(rows)]
+    for _ in range(iterations):
+        shifted = [[x[i][j] + p[i][j] for j in range(cols)] for i in range(rows)]
+        y = [_isotonic(r) for r in shifted]
+        p = [[shifted[i][j] - y[i][j] for j in range(cols)] for i in range(rows)]
+        shifted = [[y[i][j] + q[i][j] for j in range(cols)] for i in range(rows)]
+        columns = [_isotonic([shifted[i][j] for i in range(rows)]) for j in range(cols)]
+        new = [[columns[j][i] for j in range(cols)] for i in range(rows)]
+        q = [[shifted[i][j] - new[i][j] for j in range(cols)] for i in range(rows)]
+        change = max(abs(new[i][j] - x[i][j]) for i in range(rows) for j in range(cols))
+        x = new
+        if change < tolerance:
+            break
+    # the column step ends each round; one last row pass removes any residual row violation of order tolerance
+    return [[max(r[: j + 1]) for j in range(cols)] for r in x]
 
 
 @dataclass

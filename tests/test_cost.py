@@ -131,3 +131,22 @@ def test_a_point_slowed_by_a_load_burst_is_measured_again():
     grid = measure_grid(timer, [1], [128, 512, 2048], [1, 4, 8])
     assert calls.count((1, 512, 8)) == 2 and len(calls) == 10
     assert grid.seconds[0][1][2] == pytest.approx(0.18)
+
+
+def test_isotonic_fit_averages_an_outlier_instead_of_carrying_it():
+    from castspec.cost import isotonic_plane
+
+    measured = [[1.0, 10.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0], [2.5, 3.5, 4.5, 6.0]]
+    fit = isotonic_plane(measured)
+    for i in range(3):
+        for j in range(4):
+            assert (j == 0 or fit[i][j] >= fit[i][j - 1] - 1e-9) and (i == 0 or fit[i][j] >= fit[i - 1][j] - 1e-9)
+    running_max = [[1.0, 10.0, 10.0, 10.0], [2.0, 10.0, 10.0, 10.0], [2.5, 10.0, 10.0, 10.0]]
+
+    def error(grid):
+        return sum((grid[i][j] - measured[i][j]) ** 2 for i in range(3) for j in range(4))
+
+    assert error(fit) < error(running_max) / 5
+    assert fit[2][3] < 7.0  # the far corner stays near its own measurement, not at the outlier's 10
+    already = [[1.0, 2.0, 3.0], [1.5, 2.5, 3.5]]
+    assert isotonic_plane(already) == already

@@ -243,7 +243,7 @@ def test_eagle3_cached_tree_forwards_equal_an_incremental_run(smollm, eagle3_che
 def test_eagle3_decoding_matches_hf_greedy(smollm, smollm_reference, eagle3_checkpoint):
     model, tokenizer = smollm
     head = load_eagle_head(str(eagle3_checkpoint[0]), model)
-    for policy in (ChainPolicy(3), Eagle2Policy(4, 3, 12)):
+    for policy in (ChainPolicy(3), Eagle2Policy(4, 3, 12), CastPolicy(flat_costs(), 4.0, 3.0, 2.5, 8, 5, 8)):
         engine = Engine(model, tokenizer, EagleHeadDrafter(head, model), policy)
         ids = [engine.encode(prompt=p) for p in PROMPTS[:3]]
         for got, prompt_ids in zip(engine.generate_batch(prompt_ids=ids, max_new_tokens=16), ids, strict=True):
