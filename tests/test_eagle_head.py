@@ -5,6 +5,7 @@ SmolLM2 weights, HF greedy as the reference)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,46 @@ def test_eagle3_decoding_matches_hf_greedy(smollm, smollm_reference, eagle3_chec
         ids = [engine.encode(prompt=p) for p in PROMPTS[:3]]
         for got, prompt_ids in zip(engine.generate_batch(prompt_ids=ids, max_new_tokens=16), ids, strict=True):
             assert got.output_ids == smollm_reference(tuple(prompt_ids), 16)
+
+
+TRAINED = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle"
+
+
+class _RecordingDrafter(EagleHeadDrafter):
+    """Records, at every step, how many exact pairs the head had absorbed and the root child it ranked first."""
+
+    def begin(self, new_tokens, top_k, features=None):
+        cands = super().begin(new_tokens, top_k, features)
+        self.seen.append((self.lengths[0], int(cands[0].tokens[0, 0])))
+        return cands
+
+
+@pytest.mark.skipif(not (TRAINED / "model.safetensors").is_file(), reason="the trained SmolLM2 head is not in the tree")
+def test_trained_head_drafts_from_exactly_aligned_features(smollm, smollm_reference):
+    """In the engine, after every step, the head's first guess for the root's child equals the head run
+    teacher-forced over the final sequence with the target's exact features: the engine pairs each accepted
+    token with the right feature (also after partly accepted paths) and positions are right. Outputs equal HF
+    greedy. The committed head (heads/smollm2-135m-eagle) is used so that drafts do get accepted."""
+    model, tokenizer = smollm
+    head = load_eagle_head(str(TRAINED), model)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    accepted_paths = agree = total = 0
+    for text in ("What is the capital of France?", "Give me three tips for better sleep."):
+        drafter = _RecordingDrafter(head, model)
+        drafter.seen = []
+        engine = Engine(model, tokenizer, drafter, Eagle2Policy(4, 3, 12))
+        ids = engine.encode(messages=[{"role": "user", "content": text}])
+        got = engine.generate(prompt_ids=ids, max_new_tokens=32)
+        assert got.output_ids == smollm_reference(tuple(ids), 32)
+        accepted_paths += sum(s.accepted > 1 for s in got.steps)
+        sequence = ids + got.output_ids
+        with torch.inference_mode():
+            features = model(torch.tensor([sequence]), output_hidden_states=True).hidden_states[-1][0]
+            hidden = head(embed(torch.tensor([sequence[1:]])), features[None, :-1],
+                          torch.arange(len(sequence) - 1)[None], None)[0]
+            guesses = lm_head(hidden).argmax(-1)
+        for pairs, token in drafter.seen:
+            total += 1
+            agree += int(guesses[pairs - 1]) == token
+    assert accepted_paths >= 3  # steps that accepted drafted tokens: their features were appended too
+    assert agree >= 0.95 * total, f"{agree}/{total} root guesses equal the teacher-forced head"
