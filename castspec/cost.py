@@ -273,6 +273,8 @@ def time_head(head, target_model, batch_size: int, context: int, tokens: int, re
               warmup: int = 1) -> float:
     """Median seconds of one EAGLE-head draft layer: `tokens` tree nodes per row after `context` cached pairs,
     the target's lm_head included (the head's logits come from it)."""
+    from castspec import kv
+
     param = next(head.parameters())
     cache = _filled_cache(head, batch_size, context)
     ids = torch.randint(0, target_model.config.vocab_size, (batch_size, tokens), device=param.device)
@@ -290,7 +292,7 @@ def time_head(head, target_model, batch_size: int, context: int, tokens: int, re
         _sync(param.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-        cache.crop(context)
+        kv.crop(cache, context)
     return statistics.median(times)
 
 

@@ -161,3 +161,9 @@ def test_generate_and_bench_with_an_eagle_head(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]
     assert len(rows) == 2 and rows[0]["output_ids"] == rows[1]["output_ids"]
+    proc = run("profile", "--model", "smollm2-135m", "--dtype", "fp32", "--head", str(tmp_path / "head"),
+               "--batch-sizes", "1", "--contexts", "32", "--max-tokens", "2", "--repeats", "1",
+               "--out", str(tmp_path / "head-costs.json"))
+    assert proc.returncode == 0, proc.stderr
+    table = json.loads((tmp_path / "head-costs.json").read_text())
+    assert table["meta"]["draft"]["drafter"] == "eagle-head:head" and table["draft"]["tokens"] == [1, 2]
