@@ -238,6 +238,15 @@ def _filled_cache(model, batch_size: int, context: int):
     return cache
 
 
+def _chain_after(batch_size: int, context: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and the [B, 1, n, c + n] mask of `tokens` new tokens per row, causal among themselves, after
+    `context` cached ones (a chain costs what any tree of the same size costs)."""
+    positions = torch.arange(context, context + tokens, device=device).expand(batch_size, tokens)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+    mask = torch.cat([torch.ones(tokens, context, dtype=torch.bool, device=device), causal], 1)
+    return positions, mask[None, None].expand(batch_size, 1, tokens, context + tokens)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -252,10 +261,7 @@ def time_forward(model, batch_size: int, context: int, tokens: int, repeats: int
     cache = _filled_cache(model, batch_size, context)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch_size, tokens), device=device)
-    positions = torch.arange(context, context + tokens, device=device).expand(batch_size, tokens)
-    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
-    mask = torch.cat([torch.ones(tokens, context, dtype=torch.bool, device=device), causal], 1)
-    mask = mask[None, None].expand(batch_size, 1, tokens, context + tokens)
+    positions, mask = _chain_after(batch_size, context, tokens, device)
     times = []
     for i in range(warmup + repeats):
         _sync(device)
@@ -279,10 +285,7 @@ def time_head(head, target_model, batch_size: int, context: int, tokens: int, re
     cache = _filled_cache(head, batch_size, context)
     ids = torch.randint(0, target_model.config.vocab_size, (batch_size, tokens), device=param.device)
     features = torch.randn(batch_size, tokens, head.config.hidden_size, dtype=param.dtype, device=param.device)
-    positions = torch.arange(context, context + tokens, device=param.device).expand(batch_size, tokens)
-    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=param.device).tril()
-    mask = torch.cat([torch.ones(tokens, context, dtype=torch.bool, device=param.device), causal], 1)
-    mask = mask[None, None].expand(batch_size, 1, tokens, context + tokens)
+    positions, mask = _chain_after(batch_size, context, tokens, param.device)
     embed, lm_head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
     times = []
     for i in range(warmup + repeats):

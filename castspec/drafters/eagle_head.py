@@ -164,8 +164,13 @@ def load_eagle_head(source: str, target_model) -> EagleHead | Eagle3Head:
     target_vocab = target_model.get_output_embeddings().weight.shape[0]
     if any(k.startswith("midlayer.") for k in weights):
         head = _eagle3(source, config, weights, target_model, target_hidden, target_vocab)
-        return head.to(device=next(target_model.parameters()).device,
-                       dtype=next(target_model.parameters()).dtype).eval()
+    else:
+        head = _eagle1(source, config, weights, target_hidden, target_vocab)
+    param = next(target_model.parameters())
+    return head.to(device=param.device, dtype=param.dtype).eval()
+
+
+def _eagle1(source: str, config: LlamaConfig, weights: dict, target_hidden: int, target_vocab: int) -> EagleHead:
     if config.hidden_size != target_hidden or weights["fc.weight"].shape != (target_hidden, 2 * target_hidden):
         raise CastspecError(f"the EAGLE head {source} works on features of size {config.hidden_size} "
                             f"(fc {tuple(weights['fc.weight'].shape)}); the target's are {target_hidden}")
@@ -182,8 +187,7 @@ def load_eagle_head(source: str, target_model) -> EagleHead | Eagle3Head:
                             f"unexpected {unexpected[:5]}")
     if embed is not None:
         head.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
-    dtype = next(target_model.parameters()).dtype
-    return head.to(device=next(target_model.parameters()).device, dtype=dtype).eval()
+    return head
 
 
 def _eagle3(source: str, config: LlamaConfig, weights: dict, target_model, target_hidden: int,
