@@ -27,13 +27,13 @@ DRAFTERS = ("ngram",)
 def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
                 cost_table: CostTable | None = None, cast_c1: float = 4.0, cast_c2: float = 3.0,
                 cast_c3: float = 2.5, cast_r: int = 8, cast_max_depth: int = 8, cast_auto: bool = True,
-                cast_top_k: int = 8) -> Policy | None:
+                cast_top_k: int = 8, cast_calibrate: bool = False) -> Policy | None:
     if method == "cast":
         if cost_table is None:
             raise CastspecError("method 'cast' needs a cost table: --cost-table TABLE.json "
                                 "(make one with castspec profile), or one saved under $CASTSPEC_HOME/costs")
         return CastPolicy(cost_table, cast_c1, cast_c2, cast_c3, cast_r, cast_max_depth, cast_top_k,
-                          auto=cast_auto)
+                          auto=cast_auto, calibrate=cast_calibrate)
     if method == "ar":
         return None
     if method == "chain":

@@ -92,6 +92,7 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
                                           head[1] if spec.drafter == "head" else None)
             options["cost_table"] = find_cost_table(setup_key(target_model), drafter_id)
             options["cast_auto"] = bool(options.pop("auto", 1))
+            options["cast_calibrate"] = bool(options.pop("calibrate", 0))
         policy = make_policy(spec.method, **options)
         drafter = None
         if policy is not None:
@@ -105,10 +106,12 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
 
 def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
                   max_new_tokens: int, warmup: int = 1, partial: Path | None = None,
-                  sampling: SamplingParams | None = None, draft_sampling: str = "topk", head=None) -> dict:
+                  sampling: SamplingParams | None = None, draft_sampling: str = "topk", head=None,
+                  resume: bool = False) -> dict:
     """Run every method on every prompt. With `partial`, each finished generation is appended there as a JSON
-    line at once, so an interrupted run keeps what it measured. With `sampling`, every method samples with the
-    same parameters and seed."""
+    line at once, so an interrupted run keeps what it measured; `resume` takes the prompts that file holds
+    complete (every method) and runs only the rest, so a long benchmark can span several sittings (each prompt's
+    methods still run side by side). With `sampling`, every method samples with the same parameters and seed."""
     runners = _runners(target_model, tokenizer, draft_model, specs, head)
     encoder = next(r for r in runners.values() if isinstance(r, Engine)) if runners else None
     encoded = [encoder.encode(messages=p["messages"]) if "messages" in p else encoder.encode(prompt=p["prompt"])
@@ -116,9 +119,15 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
     for runner in runners.values():  # warm-up: kernels, allocator, caches
         for ids in encoded[:warmup]:
             _run(runner, ids, min(16, max_new_tokens), sampling, draft_sampling)
-    rows = []
-    progress = tqdm(total=len(prompts) * len(specs), desc="benchmark", unit="gen")
+    rows = _finished_prompts(partial, prompts, specs) if resume else []
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop any half-measured prompt
+    done = {r["prompt_id"] for r in rows}
+    progress = tqdm(total=len(prompts) * len(specs), initial=len(rows), desc="benchmark", unit="gen")
     for prompt, ids in zip(prompts, encoded, strict=True):
+        if prompt["id"] in done:
+            continue
         # methods interleaved per prompt so that machine noise hits them alike
         for label, runner in runners.items():
             progress.set_postfix_str(f"{prompt['id']} {label}")
@@ -135,6 +144,28 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
     if sampling is not None and not sampling.greedy:
         meta["sampling"] = {**dataclasses.asdict(sampling), "draft_sampling": draft_sampling}
     return {"meta": meta, "rows": rows, "summary": summarise(rows, compare_outputs="sampling" not in meta)}
+
+
+def _finished_prompts(partial: Path | None, prompts: list[dict], specs: list[MethodSpec]) -> list[dict]:
+    """Rows of a previous sitting for the prompts it finished with every method (in this run's order)."""
+    if partial is None or not partial.is_file():
+        raise CastspecError(f"nothing to resume: {partial} does not exist (run without --resume first)")
+    rows, lines = [], partial.read_text().splitlines()
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise CastspecError(f"{partial} line {number} is corrupt") from None
+            # the last line may have been cut by the interruption: that prompt is measured again
+    wanted = {p["id"] for p in prompts}
+    labels = [s.label for s in specs]
+    by_prompt: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        if row.get("prompt_id") in wanted and row.get("method") in labels:
+            by_prompt.setdefault(row["prompt_id"], {})[row["method"]] = row
+    return [by_prompt[p["id"]][label] for p in prompts if len(by_prompt.get(p["id"], {})) == len(labels)
+            for label in labels]
 
 
 def _run(runner, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,

@@ -8,13 +8,16 @@ the decoder currently achieves (see docs/cast.md)."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from itertools import pairwise
 
 import torch
 
-from castspec.cost import CostTable
+from castspec.cost import CostTable, isotonic
 from castspec.errors import CastspecError
 from castspec.policies import Policy, StepContext, batch_utilities
+from castspec.tree import DraftTree
 
 
 def select_max_valid_index(utilities: list[float], costs: list[float], threshold: float,
@@ -33,12 +36,57 @@ def select_max_valid_index(utilities: list[float], costs: list[float], threshold
     return anchor
 
 
+class AcceptanceCalibration:
+    """P(a drafted node is accepted | its draft score), learned from the trees verified so far.
+
+    CAST's utilities assume that a node's score (the product of draft probabilities along its path) is the
+    chance the target accepts it. A drafter can be far off: an n-gram index that saw a suffix once says 1.0, a
+    weak EAGLE head is confident and wrong. Scores are binned; each bin starts with `prior` pseudo-observations at
+    its own centre (so an unobserved drafter is taken at its word), counts decay by `decay` per step so the map
+    follows the text, and the per-bin rates are fitted non-decreasing (weighted isotonic regression) so that a
+    higher score never maps below a lower one and sorted scores stay sorted."""
+
+    EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97, 1.0)
+
+    def __init__(self, prior: float = 4.0, decay: float = 0.99) -> None:
+        self.centres = [(lo + hi) / 2 for lo, hi in pairwise(self.EDGES)]
+        self.prior, self.decay = prior, decay
+        self.accepted = [prior * c for c in self.centres]
+        self.seen = [prior] * len(self.centres)
+        self.rates = list(self.centres)
+
+    def observe(self, scores: list[float], accepted: list[bool]) -> None:
+        """One step: every verified drafted node's score and whether the target accepted it (none on an AR
+        step). Old evidence fades towards the prior, so a drafter judged poor is tried again after a while
+        instead of never being verified (and so never re-judged) again."""
+        d, prior = self.decay, self.prior
+        self.accepted = [d * a + (1 - d) * prior * c for a, c in zip(self.accepted, self.centres, strict=True)]
+        self.seen = [d * n + (1 - d) * prior for n in self.seen]
+        for score, ok in zip(scores, accepted, strict=True):
+            i = bisect.bisect_right(self.EDGES, score, 1, len(self.EDGES) - 1) - 1
+            self.seen[i] += 1
+            self.accepted[i] += float(ok)
+        rates = [a / n if n > 0 else c for a, n, c in zip(self.accepted, self.seen, self.centres, strict=True)]
+        self.rates = isotonic(rates, self.seen)
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        """Calibrated scores: piecewise-linear through the bin centres (0 stays 0: padding)."""
+        xs = torch.tensor([0.0, *self.centres, 1.0], dtype=torch.float64)
+        ys = torch.tensor([0.0, *self.rates, self.rates[-1]], dtype=torch.float64)
+        flat = scores.double().clamp(0, 1).flatten()
+        right = torch.bucketize(flat, xs[1:-1]).clamp(max=len(xs) - 2) + 1
+        left = right - 1
+        weight = (flat - xs[left]) / (xs[right] - xs[left])
+        out = ys[left] + weight * (ys[right] - ys[left])
+        return torch.where(flat > 0, out, 0.0).reshape(scores.shape).to(scores.dtype)
+
+
 class CastPolicy(Policy):
     name = "cast"
 
     def __init__(self, costs: CostTable, c1: float | None = 4.0, c2: float | None = 3.0, c3: float | None = 2.5,
                  fifo_size: int = 8, max_depth: int = 8, top_k: int = 8, max_verify: int = 64,
-                 auto: bool = False) -> None:
+                 auto: bool = False, calibrate: bool = False) -> None:
         if costs.draft is None:
             raise CastspecError("CAST needs a cost table with a drafter table (castspec profile --draft/--drafter)")
         if fifo_size < 1 or max_depth < 1 or top_k < 1 or max_verify < 1:
@@ -48,6 +96,7 @@ class CastPolicy(Policy):
         self.costs, self.c1, self.c2, self.c3 = costs, c1, c2, c3
         self.fifo_size, self.max_depth, self.top_k, self.max_verify, self.auto = (
             fifo_size, max_depth, top_k, max_verify, auto)
+        self.calibration = AcceptanceCalibration() if calibrate else None
         self.ratios: deque[float] = deque([1.0], maxlen=fifo_size)
         self.goodput = None  # tokens per second, measured (exponential average)
         self.trace: dict = {}
@@ -68,6 +117,14 @@ class CastPolicy(Policy):
         if seconds > 0:
             rate = tokens / seconds
             self.goodput = rate if self.goodput is None else 0.8 * self.goodput + 0.2 * rate
+
+    def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
+        if self.calibration is not None:
+            kept = set(path)
+            self.calibration.observe(tree.scores[1:].tolist(), [i in kept for i in range(1, len(tree))])
+
+    def _utilities(self, scores: torch.Tensor, batch_size: int) -> list[float]:
+        return batch_utilities(self.calibration(scores) if self.calibration is not None else scores, batch_size)
 
     # ---- decisions ----------------------------------------------------------------------------------------
 
@@ -93,7 +150,7 @@ class CastPolicy(Policy):
 
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
         b = ctx.batch_size
-        utilities = batch_utilities(scores, b)
+        utilities = self._utilities(scores, b)
         draft_context = ctx.context_length + self._drafted
         costs = [self.costs.normalised_draft(b, draft_context, k) for k in range(1, len(utilities) + 1)]
         if self.auto:
@@ -126,7 +183,7 @@ class CastPolicy(Policy):
 
     def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
         b = ctx.batch_size
-        utilities = batch_utilities(scores[..., : self.max_verify], b)
+        utilities = self._utilities(scores[..., : self.max_verify], b)
         # verifying k drafted nodes is a forward of k + 1 tokens (the root); verifying none is one AR step
         costs = [self.costs.normalised_target(b, ctx.context_length, k + 1) for k in range(1, len(utilities) + 1)]
         c3 = self.threshold("verify", scores, ctx)
@@ -138,4 +195,5 @@ class CastPolicy(Policy):
 
     def describe(self) -> str:
         mode = "auto" if self.auto else f"C1={self.c1}, C2={self.c2}, C3={self.c3}"
+        mode += ", calibrated" if self.calibration is not None else ""
         return f"cast({mode}, R={self.fifo_size}, max_depth={self.max_depth}, top_k={self.top_k})"

@@ -32,6 +32,9 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cast-c1", type=float, default=4.0, help="cast paper mode: breadth threshold")
     g.add_argument("--cast-c2", type=float, default=3.0, help="cast paper mode: depth threshold")
     g.add_argument("--cast-c3", type=float, default=2.5, help="cast paper mode: verify threshold")
+    g.add_argument("--cast-calibration", choices=["on", "off"], default="off",
+                   help="cast: learn P(accepted | draft score) from the verified trees and use it as the utility "
+                        "(for drafters whose scores are not probabilities of acceptance)")
     g.add_argument("--cast-r", type=int, default=8, help="cast: depth-ratio FIFO size R")
     g.add_argument("--cast-max-depth", type=int, default=8, help="cast: hard maximum depth")
     g.add_argument("--trace", help="write each step's tree decisions to this JSONL file")
@@ -100,9 +103,32 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bf16")
     bench.add_argument("--out-dir", default="bench")
     bench.add_argument("--name", default="bench")
+    bench.add_argument("--resume", action="store_true",
+                       help="continue an interrupted run of the same --name: prompts finished with every method "
+                            "are kept (from NAME.partial.jsonl), the rest are run")
     bench.add_argument("--batch-sizes", help="throughput mode: decode in batches of each size, e.g. 1,2,4,8 "
                                              "(speed-up over batched AR per batch size)")
     _sampling_args(bench)
+
+    tune = sub.add_parser("tune", help="find the best fixed tree (EAGLE-2 grid or chain lengths) on a tuning split: "
+                                       "replay every grid point, measure the best few")
+    tune.add_argument("--model", default=DEFAULT_TARGET)
+    tsrc = tune.add_mutually_exclusive_group()
+    tsrc.add_argument("--draft", help="draft model (default: the n-gram drafter)")
+    tsrc.add_argument("--drafter", default="ngram", help="a model-free drafter: ngram (the default)")
+    tune.add_argument("--method", default="eagle2", help="eagle2 | chain")
+    tune.add_argument("--grid", help="';'-separated KEY=v1,v2,... (default eagle2: top_k=2,4,8,10;"
+                                     "depth=2,3,4,5,6,7;total_tokens=8,16,32,60; chain: chain_length=1,2,3,4,5,6,8)")
+    tune.add_argument("--sets", default="mtbench,humaneval,gsm8k")
+    tune.add_argument("--per-set", type=int, default=3, help="tuning prompts taken from each set")
+    tune.add_argument("--offset", type=int, default=40,
+                      help="skip this many prompts of each set (default 40: disjoint from bench's first 40)")
+    tune.add_argument("--max-new-tokens", type=int, default=64)
+    tune.add_argument("--measure", type=int, default=3, help="best replayed grid points to measure for real "
+                                                             "(0: replay only)")
+    tune.add_argument("--dtype", default="bf16")
+    tune.add_argument("--out-dir", default="bench")
+    tune.add_argument("--name", default="tune")
 
     prof = sub.add_parser("profile", help="measure, validate or plot a cost table f(B, c, n)")
     prof.add_argument("--model", help="target model (registry name, directory or hub id)")
@@ -175,7 +201,8 @@ def _cmd_generate(args) -> None:
                "total_tokens": args.total_tokens}
     if args.method == "cast":
         options.update(cast_c1=args.cast_c1, cast_c2=args.cast_c2, cast_c3=args.cast_c3, cast_r=args.cast_r,
-                       cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto")
+                       cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto",
+                       cast_calibrate=args.cast_calibration == "on")
     engine = Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, head=args.head,
                          dtype=args.dtype,
                          device=args.device, cost_table=args.cost_table, force_table=args.force_table, **options)
@@ -241,6 +268,40 @@ def _cmd_train_head(args) -> None:
     print(f"head: {args.out} (use it with --head {args.out})")
 
 
+def _cmd_tune(args) -> None:
+    from castspec.api import drafter_identity, find_cost_table
+    from castspec.cost import setup_key
+    from castspec.drafters.draft_model import DraftModelDrafter
+    from castspec.drafters.ngram import NgramDrafter
+    from castspec.tune import parse_grid, run_tune, save_tune, tune_markdown
+
+    grid = parse_grid(args.method, args.grid)
+    if args.draft is None and args.drafter != "ngram":
+        raise CastspecError(f"unknown drafter {args.drafter!r}: give --drafter ngram or --draft MODEL")
+    for name in ("per_set", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise CastspecError(f"--{name.replace('_', '-')} must be positive")
+    if args.measure < 0 or args.offset < 0:
+        raise CastspecError("--measure and --offset must not be negative")
+    target, tokenizer, draft = _load_pair(args.model, args.draft, args.dtype)
+    costs = find_cost_table(setup_key(target), drafter_identity(draft))
+    if costs is None:
+        raise CastspecError("tune prices verify forwards from a cost table of this setup and drafter; make one "
+                            f"with castspec profile --model {args.model} "
+                            f"{'--draft ' + args.draft if draft is not None else '--drafter ngram'} "
+                            f"--dtype {args.dtype}")
+    prompts = _prompts(args.sets, args.per_set, args.offset)
+    if not prompts:
+        raise CastspecError(f"no prompts left after --offset {args.offset}")
+    drafter = "draft" if draft is not None else "ngram"
+    result = run_tune(target, tokenizer, draft, args.method, drafter, grid, prompts, args.max_new_tokens, costs,
+                      (lambda: DraftModelDrafter(draft)) if draft is not None else NgramDrafter, args.measure)
+    command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    save_tune(result, Path(args.out_dir), args.name, command)
+    print(tune_markdown(result, command))
+    print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
+
+
 def _load_pair(model: str, draft: str | None, dtype: str):
     from castspec.drafters.draft_model import check_compatible
     from castspec.models import load_model
@@ -268,6 +329,31 @@ def _cmd_bench(args) -> None:
     sampling = _sampling(args)
     if not sampling.greedy and sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=0)  # every method draws from the same seed per prompt
+    settings = {k: getattr(args, k) for k in ("model", "draft", "head", "methods", "max_new_tokens", "dtype",
+                                               "temperature", "top_p", "sample_top_k", "seed", "draft_sampling")}
+    settings_file = Path(args.out_dir) / f"{args.name}.partial.settings.json"
+    partial = Path(args.out_dir) / f"{args.name}.partial.jsonl"
+    if args.resume:
+        if args.batch_sizes:
+            raise CastspecError("--resume continues a per-prompt benchmark; the throughput mode starts afresh")
+        finished, rows = Path(args.out_dir) / f"{args.name}.json", None
+        if settings_file.is_file():
+            before = json.loads(settings_file.read_text())
+        elif finished.is_file():  # a finished run grows: its rows are kept, new prompts are added
+            data = json.loads(finished.read_text())
+            before, rows = data.get("meta", {}).get("settings"), data["rows"]
+            if before is None:
+                raise CastspecError(f"{finished} predates --resume (it records no settings): run it afresh")
+        else:
+            raise CastspecError(f"nothing to resume under --name {args.name}: neither {settings_file} nor "
+                                f"{finished} exists")
+        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        if changed:
+            raise CastspecError("--resume with other settings than the interrupted run: " +
+                                "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
+        if rows is not None:
+            partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            settings_file.write_text(json.dumps(before))
     if args.batch_sizes:
         if not sampling.greedy:
             raise CastspecError("the throughput mode measures greedy decoding; leave out --temperature")
@@ -281,15 +367,17 @@ def _cmd_bench(args) -> None:
     prompts = _prompts(args.sets, args.per_set, args.offset)
     if args.limit > 0:
         prompts = prompts[: args.limit]
-    partial = Path(args.out_dir) / f"{args.name}.partial.jsonl"
     partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.unlink(missing_ok=True)
+    if not args.resume:
+        partial.unlink(missing_ok=True)
+        settings_file.write_text(json.dumps(settings))
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if args.batch_sizes:
         from castspec.bench import run_throughput, throughput_table
 
         result = run_throughput(target, tokenizer, draft, specs, prompts, args.max_new_tokens, sizes, partial, head)
         partial.unlink(missing_ok=True)
+        settings_file.unlink(missing_ok=True)
         title = (f"{args.model} ({args.dtype}), draft {args.draft}{f', head {args.head}' if args.head else ''}, "
                  f"{len(prompts)} prompts, "
                  f"{args.max_new_tokens} new tokens, batched")
@@ -298,8 +386,10 @@ def _cmd_bench(args) -> None:
         print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
         return
     result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=partial,
-                           sampling=sampling, draft_sampling=args.draft_sampling, head=head)
+                           sampling=sampling, draft_sampling=args.draft_sampling, head=head, resume=args.resume)
+    result["meta"]["settings"] = settings
     partial.unlink(missing_ok=True)
+    settings_file.unlink(missing_ok=True)
     title = (f"{args.model} ({args.dtype}), draft {args.draft}{f', head {args.head}' if args.head else ''}, "
              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens")
     if not sampling.greedy:
@@ -437,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "bench": _cmd_bench, "demo": _cmd_demo,
-                    "train-head": _cmd_train_head,
+                    "train-head": _cmd_train_head, "tune": _cmd_tune,
                     "profile": _cmd_profile}
         commands[args.command](args)
     except CastspecError as e:

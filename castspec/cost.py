@@ -110,15 +110,15 @@ class CostGrid:
         return _interp(self.batch_sizes, values, batch_size)
 
 
-def _isotonic(values: list[float]) -> list[float]:
-    """Least-squares non-decreasing fit of a sequence (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([v, 1])
+def isotonic(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """Weighted least-squares non-decreasing fit of a sequence (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for v, w in zip(values, weights or [1.0] * len(values), strict=True):
+        blocks.append([v, w, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
-    return [m for m, n in blocks for _ in range(int(n))]
+            (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2) if w1 + w2 > 0 else (m1 + m2) / 2, w1 + w2, n1 + n2]
+    return [m for m, _, n in blocks for _ in range(n)]
 
 
 def isotonic_plane(plane: list[list[float]], iterations: int = 200, tolerance: float = 1e-12) -> list[list[float]]:
@@ -130,10 +130,10 @@ def isotonic_plane(plane: list[list[float]], iterations: int = 200, tolerance: f
     q = [[0.0] * cols for _ in range(rows)]
     for _ in range(iterations):
         shifted = [[x[i][j] + p[i][j] for j in range(cols)] for i in range(rows)]
-        y = [_isotonic(r) for r in shifted]
+        y = [isotonic(r) for r in shifted]
         p = [[shifted[i][j] - y[i][j] for j in range(cols)] for i in range(rows)]
         shifted = [[y[i][j] + q[i][j] for j in range(cols)] for i in range(rows)]
-        columns = [_isotonic([shifted[i][j] for i in range(rows)]) for j in range(cols)]
+        columns = [isotonic([shifted[i][j] for i in range(rows)]) for j in range(cols)]
         new = [[columns[j][i] for j in range(cols)] for i in range(rows)]
         q = [[shifted[i][j] - new[i][j] for j in range(cols)] for i in range(rows)]
         change = max(abs(new[i][j] - x[i][j]) for i in range(rows) for j in range(cols))

@@ -96,6 +96,8 @@ def decode(
             new_tokens = tree.tokens[path].tolist() + [bonus]
             emitted += len(new_tokens)
             steps[b].append(StepStats(len(new_tokens), len(tree) - 1, t1 - t0, t2 - t1, ctx.context_length, record))
+            if policy is not None:
+                policy.observe_tree(tree, path)
             if not any(stops[b].push(outputs[b], token) for token in new_tokens):
                 going.append(i)
                 unseen[b] += new_tokens

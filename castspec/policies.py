@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from castspec.errors import CastspecError
+from castspec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Policy(ABC):
 
     def observe(self, tokens: int, seconds: float) -> None:  # noqa: B027 - only adaptive policies listen
         """Called after each step with the tokens it emitted and its wall time (draft + verify)."""
+
+    def observe_tree(self, tree: DraftTree, path: list[int]) -> None:  # noqa: B027 - only adaptive policies listen
+        """Called after each step, per row, with the verified tree and the nodes the target accepted."""
 
     @abstractmethod
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:

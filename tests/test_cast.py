@@ -156,3 +156,54 @@ def test_auto_mode_skips_drafting_where_even_perfect_acceptance_cannot_pay():
     cheap = CastPolicy(table(0.05, 0.2, fixed=0.95), auto=True)
     assert cheap.should_draft(StepContext(1, 16, pending=3))
     assert not cheap.should_draft(StepContext(1, 16, pending=40))
+
+
+# ---- acceptance calibration -------------------------------------------------------------------------------------
+
+def test_calibration_starts_at_the_drafters_word_and_learns_the_acceptance_rate():
+    from castspec.cast import AcceptanceCalibration
+
+    calibration = AcceptanceCalibration()
+    scores = torch.tensor([1.0, 0.8, 0.45, 0.1, 0.0])
+    assert torch.allclose(calibration(scores), scores, atol=0.02)  # unobserved: the scores as they are
+    for _ in range(200):  # score-1.0 proposals are right a quarter of the time, the rest never
+        calibration.observe([1.0, 1.0, 1.0, 1.0, 0.5, 0.3], [True, False, False, False, False, False])
+    calibrated = calibration(scores)
+    assert abs(calibrated[0].item() - 0.25) < 0.05
+    assert calibrated[2].item() < 0.05 and calibrated[-1].item() == 0.0
+    assert torch.all(calibrated[:-1] >= calibrated[1:])  # sorted scores stay sorted
+    for _ in range(1000):  # AR steps only: nothing verified, the evidence fades back to the drafter's word
+        calibration.observe([], [])
+    assert torch.allclose(calibration(scores), scores, atol=0.03)
+
+
+def test_calibration_fit_never_inverts_the_order_of_scores():
+    from castspec.cast import AcceptanceCalibration
+
+    calibration = AcceptanceCalibration(prior=0.0)
+    rng = random.Random(0)
+    for _ in range(300):  # middling scores accepted more often than high ones: the fit pools them
+        scores = [rng.random() for _ in range(8)]
+        calibration.observe(scores, [0.4 < s < 0.6 or rng.random() < 0.1 for s in scores])
+    assert calibration.rates == sorted(calibration.rates)
+    grid = torch.linspace(1, 0, 101)
+    assert torch.all(calibration(grid)[:-1] >= calibration(grid)[1:])
+
+
+def test_weighted_isotonic_pools_by_weight():
+    from castspec.cost import isotonic
+
+    assert isotonic([1.0, 0.0], [3.0, 1.0]) == [0.75, 0.75]
+    assert isotonic([0.0, 1.0, 0.5], [1.0, 1.0, 1.0]) == [0.0, 0.75, 0.75]
+
+
+def test_a_calibrated_cast_verifies_less_from_a_drafter_that_overpromises():
+    def sizes(calibrate: bool) -> int:
+        policy = CastPolicy(table(0.05, 0.01), auto=True, calibrate=calibrate)
+        tree, _ = grow_tree(ScriptedDrafter(), policy, [3], StepContext(1, 16))
+        for _ in range(100):  # the target accepts none of what this drafter proposes
+            policy.observe_tree(tree, [])
+        tree, _ = grow_tree(ScriptedDrafter(), policy, [3], StepContext(1, 16))
+        return len(tree) - 1
+
+    assert sizes(calibrate=False) > 0 and sizes(calibrate=True) < sizes(calibrate=False)

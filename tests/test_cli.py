@@ -167,3 +167,36 @@ def test_generate_and_bench_with_an_eagle_head(tmp_path):
     assert proc.returncode == 0, proc.stderr
     table = json.loads((tmp_path / "head-costs.json").read_text())
     assert table["meta"]["draft"]["drafter"] == "eagle-head:head" and table["draft"]["tokens"] == [1, 2]
+
+
+def test_bench_resume_keeps_finished_prompts_and_runs_the_rest(tmp_path, capsys):
+    common = ["bench", "--model", "smollm2-135m", "--draft", "none", "--dtype", "fp32", "--sets", "mtbench,gsm8k",
+              "--per-set", "1", "--max-new-tokens", "4", "--methods", "ar;eagle2:ngram:top_k=2,depth=2",
+              "--out-dir", str(tmp_path), "--name", "r"]
+    assert main([*common, "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    assert main(common) == 0
+    full = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert not (tmp_path / "r.partial.jsonl").exists() and not (tmp_path / "r.partial.settings.json").exists()
+    # the state an interruption leaves: the first prompt finished, the second one half done, its last line cut
+    first, second = full[0]["prompt_id"], full[2]["prompt_id"]
+    kept = [{**r, "wall_s": 123.0} for r in full[:2]]  # marked: a re-run would not reproduce this time
+    (tmp_path / "r.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept + full[2:3])
+                                              + json.dumps(full[3])[:40])
+    settings = {"model": "smollm2-135m", "draft": "none", "head": None, "methods": "ar;eagle2:ngram:top_k=2,depth=2",
+                "max_new_tokens": 4, "dtype": "fp32", "temperature": 0.0, "top_p": 1.0, "sample_top_k": 0,
+                "seed": None, "draft_sampling": "topk"}
+    (tmp_path / "r.partial.settings.json").write_text(json.dumps({**settings, "max_new_tokens": 8}))
+    assert main([*common, "--resume"]) == 2
+    assert "max_new_tokens: was 8, now 4" in capsys.readouterr().err
+    (tmp_path / "r.partial.settings.json").write_text(json.dumps(settings))
+    assert main([*common, "--resume"]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [(r["prompt_id"], r["method"]) for r in rows] == [(r["prompt_id"], r["method"]) for r in full]
+    assert [r["wall_s"] for r in rows if r["prompt_id"] == first] == [123.0, 123.0]
+    assert all(r["wall_s"] != 123.0 for r in rows if r["prompt_id"] == second)
+    assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in full]
+    # a finished run grows: one more prompt per set, the measured ones kept
+    assert main([*common, "--per-set", "2", "--resume"]) == 0
+    grown = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert len(grown) == 8 and [r for r in grown if r["prompt_id"] in (first, second)] == rows

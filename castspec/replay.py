@@ -1,0 +1,94 @@
+"""Replaying greedy speculative decoding without the target model.
+
+Greedy decoding is lossless, so every step starts from a prefix of the target's own greedy output, and what a
+step accepts depends only on that prefix and the drafted tree: walk the tree from the root, following the child
+whose token is the reference's next token. Given the reference output (one AR run), any drafter + policy can be
+replayed exactly: the drafter really drafts (its time is measured), the verify forward is not run but priced
+from the measured cost table. `castspec tune` uses this to search a whole EAGLE-2 grid for the price of its
+drafting. Exact in fp32; in bf16 a tree-masked forward may flip a near-tie that the reference did not, so the
+replayed tau is the one an fp32-exact target would give."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from castspec.cost import CostTable
+from castspec.drafters.base import Drafter
+from castspec.drafting import grow_trees
+from castspec.errors import CastspecError
+from castspec.policies import Policy, StepContext
+from castspec.tree import DraftTree
+
+
+@dataclass
+class ReplayResult:
+    accepted: list[int]  # tokens accepted per decoding step (bonus included, before the max_new_tokens cut)
+    tree_sizes: list[int]  # drafted nodes verified per step
+    depths: list[int]  # draft layers per step
+    draft_s: float  # measured drafting time
+    verify_s: float  # verify forwards priced by the cost table
+    ar_s: float  # the same tokens' AR steps priced by the cost table
+    new_tokens: int = 0  # tokens generated (the first, from the prefill, included)
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.verify_s
+
+
+def accepted_path(tree: DraftTree, reference: list[int], start: int) -> list[int]:
+    """Nodes a greedy target accepts when reference[start:] is what it would generate after the root."""
+    path, node, position = [], 0, start
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents.tolist()):
+        children.setdefault(parent, []).append(i)
+    tokens = tree.tokens.tolist()
+    while position < len(reference):
+        match = next((c for c in children.get(node, []) if tokens[c] == reference[position]), None)
+        if match is None:
+            break
+        path.append(match)
+        node, position = match, position + 1
+    return path
+
+
+def replay(drafter: Drafter, policy: Policy | None, prompt: list[int], reference: list[int], costs: CostTable,
+           max_new_tokens: int) -> ReplayResult:
+    """Decode `prompt` again as the engine would at batch size 1, with `reference` (the target's greedy output)
+    standing in for the target's verdicts. A reference longer than `max_new_tokens` lets the last step count
+    what it would accept beyond the cut, as the engine's step statistics do."""
+    if drafter is not None and drafter.feature_layers:
+        raise CastspecError(f"the {drafter.name} drafter reads target features; a replay has no target to give "
+                            "them (measure it with castspec bench instead)")
+    if not reference:
+        raise CastspecError("the reference output is empty")
+    if drafter is not None:
+        drafter.reset(1)
+    emitted, unseen = 1, prompt + reference[:1]
+    result = ReplayResult([], [], [], 0.0, 0.0, 0.0)
+    end = min(len(reference), max_new_tokens)
+    while emitted < end:
+        context = len(prompt) + emitted - 1  # the KV cache holds everything before the root
+        ctx = StepContext(1, context, max_new_tokens - emitted - 1, len(unseen))
+        tree, depth = DraftTree.single(reference[emitted - 1]), 0
+        start = time.perf_counter()
+        if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
+            trees, record = grow_trees(drafter, policy, [unseen], ctx)
+            tree, depth, unseen = trees[0], record.depth, []
+        draft_s = time.perf_counter() - start
+        path = accepted_path(tree, reference, emitted)
+        new_tokens = reference[emitted: emitted + len(path) + 1]
+        verify_s = costs.f_target(1, context, len(tree))
+        result.draft_s += draft_s
+        result.verify_s += verify_s
+        result.ar_s += sum(costs.f_target(1, context + i, 1) for i in range(min(len(new_tokens), end - emitted)))
+        result.accepted.append(len(new_tokens))
+        result.tree_sizes.append(len(tree) - 1)
+        result.depths.append(depth)
+        if policy is not None:
+            policy.observe_tree(tree, path)
+            policy.observe(len(new_tokens), draft_s + verify_s)
+        emitted += len(new_tokens)
+        unseen += new_tokens
+    result.new_tokens = min(emitted, end)
+    return result

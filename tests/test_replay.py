@@ -1,0 +1,83 @@
+"""Replay (castspec/replay.py) and the tune grid: a replay against the target's greedy output must accept exactly
+what real decoding accepts, step by step (fp32, real SmolLM2)."""
+
+from __future__ import annotations
+
+import pytest
+from synthetic import flat_costs
+
+from castspec.api import Engine
+from castspec.cast import CastPolicy
+from castspec.drafters.draft_model import DraftModelDrafter
+from castspec.drafters.ngram import NgramDrafter
+from castspec.errors import CastspecError
+from castspec.policies import ChainPolicy, Eagle2Policy
+from castspec.replay import accepted_path, replay
+from castspec.tree import DraftTree
+from castspec.tune import parse_grid
+
+
+def test_accepted_path_follows_the_reference_through_branches():
+    #        0(root)
+    #     1:a      2:b
+    #   3:c  4:d     5:e
+    tree = DraftTree.from_lists([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2], [1, .6, .4, .3, .3, .2])
+    assert accepted_path(tree, [7, 9, 1, 4, 8], start=2) == [1, 4]
+    assert accepted_path(tree, [7, 9, 2, 5], start=2) == [2, 5]  # the reference ends: no bonus left
+    assert accepted_path(tree, [7, 9, 3], start=2) == []
+    assert accepted_path(tree, [7, 9], start=2) == []
+
+
+def test_parse_grid_products_and_refusals():
+    points = parse_grid("eagle2", "top_k=2,4;depth=3;total_tokens=8,16,16")
+    assert points == [{"top_k": 2, "depth": 3, "total_tokens": 8}, {"top_k": 2, "depth": 3, "total_tokens": 16},
+                      {"top_k": 4, "depth": 3, "total_tokens": 8}, {"top_k": 4, "depth": 3, "total_tokens": 16}]
+    assert len(parse_grid("eagle2", None)) == 4 * 6 * 4
+    assert parse_grid("chain", "chain_length=1,3") == [{"chain_length": 1}, {"chain_length": 3}]
+    for method, grid, message in [("eagle2", "chain_length=2", "not an option"), ("eagle2", "top_k=0", "positive"),
+                                  ("eagle2", "top_k=a", "integers"), ("cast", None, "fixed trees"),
+                                  ("eagle2", ";", "empty"), ("eagle2", "total_tokens=1", "at least 2")]:
+        with pytest.raises(CastspecError, match=message):
+            parse_grid(method, grid)
+
+
+PROMPT = ("Copy this list exactly, twice: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "
+          "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu.")
+
+
+@pytest.mark.parametrize("make", [
+    lambda model: (NgramDrafter(), Eagle2Policy(top_k=4, depth=4, total_tokens=12)),
+    lambda model: (NgramDrafter(), ChainPolicy(3)),
+    lambda model: (NgramDrafter(), CastPolicy(flat_costs(), auto=False)),
+    lambda model: (NgramDrafter(), CastPolicy(flat_costs(), auto=False, calibrate=True)),
+    lambda model: (DraftModelDrafter(model), Eagle2Policy(top_k=2, depth=3, total_tokens=6)),
+], ids=["eagle2-ngram", "chain-ngram", "cast-paper-ngram", "cast-calibrated-ngram", "eagle2-draft-model"])
+def test_replay_accepts_exactly_what_decoding_accepts(smollm, make):
+    model, tokenizer = smollm
+    max_new = 40
+    ar = Engine(model, tokenizer)
+    ids = ar.encode(messages=[{"role": "user", "content": PROMPT}])
+    reference = ar.generate(prompt_ids=ids, max_new_tokens=max_new + 16).output_ids
+    drafter, policy = make(model)
+    real = Engine(model, tokenizer, drafter, policy).generate(prompt_ids=ids, max_new_tokens=max_new)
+    assert real.output_ids == reference[:max_new]
+    drafter, policy = make(model)  # fresh state: CAST's depth ratios, the drafter's cache
+    replayed = replay(drafter, policy, ids, reference, flat_costs(), max_new)
+    accepted = [s.accepted for s in real.steps]
+    # the last step may accept drafted tokens past an EOS, which the reference (it stopped there) cannot show
+    assert replayed.accepted[:-1] == accepted[:-1] and replayed.accepted[-1] <= accepted[-1]
+    assert replayed.tree_sizes == [s.tree_size for s in real.steps]
+    assert replayed.depths == [s.draft.depth for s in real.steps]
+    assert replayed.new_tokens == len(real.output_ids)
+    assert max(replayed.accepted) > 1  # the drafts were accepted somewhere: the comparison is not vacuous
+    assert replayed.verify_s > 0 and replayed.ar_s > 0
+
+
+def test_replay_refuses_a_drafter_that_needs_target_features():
+    class FeatureDrafter(NgramDrafter):
+        feature_layers = (-1,)
+
+    with pytest.raises(CastspecError, match="target features"):
+        replay(FeatureDrafter(), ChainPolicy(2), [1, 2, 3], [4, 5], flat_costs(), 8)
+    with pytest.raises(CastspecError, match="empty"):
+        replay(NgramDrafter(), ChainPolicy(2), [1, 2, 3], [], flat_costs(), 8)
