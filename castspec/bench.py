@@ -254,8 +254,9 @@ def plot_speedups(summary: list[dict], out: Path, title: str) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks([k + width * (len(methods) - 1) / 2 for k in range(len(tasks))], tasks)
     ax.set_ylabel("speed-up over AR")
+    ax.set_ylim(0, 1.3 * max([1.0] + [r["speedup"] or 0 for r in summary]))  # headroom: the legend sits on top
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncols=2)
+    ax.legend(fontsize=7, ncols=3, loc="upper center")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

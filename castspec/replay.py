@@ -52,7 +52,7 @@ def accepted_path(tree: DraftTree, reference: list[int], start: int) -> list[int
     return path
 
 
-def replay(drafter: Drafter, policy: Policy | None, prompt: list[int], reference: list[int], costs: CostTable,
+def replay(drafter: Drafter | None, policy: Policy | None, prompt: list[int], reference: list[int], costs: CostTable,
            max_new_tokens: int) -> ReplayResult:
     """Decode `prompt` again as the engine would at batch size 1, with `reference` (the target's greedy output)
     standing in for the target's verdicts. A reference longer than `max_new_tokens` lets the last step count
