@@ -19,6 +19,7 @@ from castspec.drafting import grow_trees
 from castspec.errors import CastspecError
 from castspec.policies import Policy, StepContext
 from castspec.tree import DraftTree
+from castspec.verify import child_index
 
 
 @dataclass
@@ -38,17 +39,12 @@ class ReplayResult:
 
 def accepted_path(tree: DraftTree, reference: list[int], start: int) -> list[int]:
     """Nodes a greedy target accepts when reference[start:] is what it would generate after the root."""
+    child_of = child_index(tree)  # the greedy verifier's walk, with the reference as the target's argmax
     path, node, position = [], 0, start
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(tree.parents.tolist()):
-        children.setdefault(parent, []).append(i)
-    tokens = tree.tokens.tolist()
-    while position < len(reference):
-        match = next((c for c in children.get(node, []) if tokens[c] == reference[position]), None)
-        if match is None:
-            break
-        path.append(match)
-        node, position = match, position + 1
+    while position < len(reference) and (node, reference[position]) in child_of:
+        node = child_of[(node, reference[position])]
+        path.append(node)
+        position += 1
     return path
 
 

@@ -91,8 +91,7 @@ def run_tune(target_model, tokenizer, draft_model, method: str, drafter: str, gr
                           max_new_tokens)
         replayed.append({"method": label, "options": {k: v for k, v in options.items() if k != "cost_table"},
                          **row})
-    fixed = sorted((r for r in replayed if not r["method"].startswith("cast")),
-                   key=lambda r: -(r["predicted_speedup"] or 0))
+    fixed = _ranked_fixed(replayed)
     specs = [MethodSpec("ar", "ar")]
     specs += [MethodSpec(r["method"], method, drafter, r["options"]) for r in fixed[:measure]]
     specs += [MethodSpec(f"cast:{drafter}", "cast", drafter, {})]
@@ -107,10 +106,15 @@ def run_tune(target_model, tokenizer, draft_model, method: str, drafter: str, gr
             "measured": measured, "chosen": chosen}
 
 
+def _ranked_fixed(replayed: list[dict]) -> list[dict]:
+    """The grid's points (CAST's rows left out), best predicted speed-up first."""
+    return sorted((r for r in replayed if not r["method"].startswith("cast")),
+                  key=lambda r: -(r["predicted_speedup"] or 0))
+
+
 def tune_markdown(result: dict, command: str, top: int = 12) -> str:
     replayed = result["replayed"]
-    fixed = sorted((r for r in replayed if not r["method"].startswith("cast")),
-                   key=lambda r: -(r["predicted_speedup"] or 0))
+    fixed = _ranked_fixed(replayed)
     casts = [r for r in replayed if r["method"].startswith("cast")]
     lines = [f"# tune: {result['method']} with the {result['drafter']} drafter", "", "Command:", "", "```", command,
              "```", "", f"Tuning prompts: {', '.join(result['prompts'])}; {result['max_new_tokens']} new tokens.", "",

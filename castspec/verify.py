@@ -29,7 +29,7 @@ def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[in
     Returns the accepted path (node indices, root excluded) and the bonus token: the target's argmax at the
     last accepted node. Emitting path tokens + bonus is exactly what greedy decoding would emit."""
     choice = target_logits.argmax(dim=-1).tolist()
-    child_of = _child_index(tree)
+    child_of = child_index(tree)
     path, node = [], 0
     while (node, choice[node]) in child_of:
         node = child_of[(node, choice[node])]
@@ -37,7 +37,8 @@ def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[in
     return path, choice[node]
 
 
-def _child_index(tree: DraftTree) -> dict[tuple[int, int], int]:
+def child_index(tree: DraftTree) -> dict[tuple[int, int], int]:
+    """(parent node, token) -> the first child of that parent holding that token."""
     child_of: dict[tuple[int, int], int] = {}
     for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
         if node > 0:
@@ -88,7 +89,7 @@ def sample_accept(tree: DraftTree, target_probs: torch.Tensor, generator: torch.
     """Walk down from the root while the emitted token is a verified child. `target_probs`: [n, V], the warped
     target distribution at every node. Returns the accepted path (root excluded) and the token emitted after
     it (a fresh draw, or an accepted drafted token that was not verified)."""
-    child_of = _child_index(tree)
+    child_of = child_index(tree)
     children: dict[int, list[int]] = {}
     for (parent, token), _ in sorted(child_of.items(), key=lambda item: item[1]):
         children.setdefault(parent, []).append(token)
