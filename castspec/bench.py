@@ -51,6 +51,16 @@ def parse_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
+def policy_options(spec: MethodSpec, costs=None) -> dict:
+    """make_policy's keyword arguments for a method item: its options, CAST's short ones spelled out."""
+    options = dict(spec.options)
+    if spec.method == "cast":
+        options["cost_table"] = costs
+        options["cast_auto"] = bool(options.pop("auto", 1))
+        options["cast_calibrate"] = bool(options.pop("calibrate", 0))
+    return options
+
+
 class _HfBaseline:
     def __init__(self, model, tokenizer, method: str, draft_model) -> None:
         self.model, self.tokenizer, self.method, self.draft = model, tokenizer, method, draft_model
@@ -86,14 +96,12 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
         if spec.method.startswith("hf-"):
             runners[spec.label] = _HfBaseline(target_model, tokenizer, spec.method, draft_model)
             continue
-        options = dict(spec.options)
+        costs = None
         if spec.method == "cast":
             drafter_id = drafter_identity(draft_model if spec.drafter == "draft" else None,
                                           head[1] if spec.drafter == "head" else None)
-            options["cost_table"] = find_cost_table(setup_key(target_model), drafter_id)
-            options["cast_auto"] = bool(options.pop("auto", 1))
-            options["cast_calibrate"] = bool(options.pop("calibrate", 0))
-        policy = make_policy(spec.method, **options)
+            costs = find_cost_table(setup_key(target_model), drafter_id)
+        policy = make_policy(spec.method, **policy_options(spec, costs))
         drafter = None
         if policy is not None:
             if spec.drafter == "head":
@@ -144,6 +152,47 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
     if sampling is not None and not sampling.greedy:
         meta["sampling"] = {**dataclasses.asdict(sampling), "draft_sampling": draft_sampling}
     return {"meta": meta, "rows": rows, "summary": summarise(rows, compare_outputs="sampling" not in meta)}
+
+
+class RunFiles:
+    """A benchmark run's state on disk: NAME.partial.jsonl (one row per finished generation, written as it
+    finishes), NAME.partial.settings.json (what the rows were measured with) and, once done, NAME.json."""
+
+    def __init__(self, out_dir: Path, name: str) -> None:
+        self.partial = out_dir / f"{name}.partial.jsonl"
+        self.settings = out_dir / f"{name}.partial.settings.json"
+        self.finished = out_dir / f"{name}.json"
+
+    def start(self, settings: dict) -> None:
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
+        self.partial.unlink(missing_ok=True)
+        self.settings.write_text(json.dumps(settings))
+
+    def resume(self, settings: dict) -> None:
+        """Make the partial rows the state to continue from: an interrupted run's as they are, a finished run's
+        rows copied back (so it grows). Refuses other settings than the earlier sittings'."""
+        rows = None
+        if self.settings.is_file():
+            before = json.loads(self.settings.read_text())
+        elif self.finished.is_file():
+            data = json.loads(self.finished.read_text())
+            before, rows = data.get("meta", {}).get("settings"), data["rows"]
+            if before is None:
+                raise CastspecError(f"{self.finished} predates --resume (it records no settings): run it afresh")
+        else:
+            raise CastspecError(f"nothing to resume under this --name: neither {self.settings} nor "
+                                f"{self.finished} exists")
+        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        if changed:
+            raise CastspecError("--resume with other settings than the interrupted run: " +
+                                "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
+        if rows is not None:
+            self.partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            self.settings.write_text(json.dumps(before))
+
+    def clear(self) -> None:
+        self.partial.unlink(missing_ok=True)
+        self.settings.unlink(missing_ok=True)
 
 
 def _finished_prompts(partial: Path | None, prompts: list[dict], specs: list[MethodSpec]) -> list[dict]:

@@ -37,14 +37,17 @@ def select_max_valid_index(utilities: list[float], costs: list[float], threshold
 
 
 class AcceptanceCalibration:
-    """P(a drafted node is accepted | its draft score), learned from the trees verified so far.
+    """P(the target accepts a drafted node | it accepted the node's parent), as a function of the node's draft
+    probability given its parent, learned from the trees verified so far.
 
-    CAST's utilities assume that a node's score (the product of draft probabilities along its path) is the
-    chance the target accepts it. A drafter can be far off: an n-gram index that saw a suffix once says 1.0, a
-    weak EAGLE head is confident and wrong. Scores are binned; each bin starts with `prior` pseudo-observations at
-    its own centre (so an unobserved drafter is taken at its word), counts decay by `decay` per step so the map
-    follows the text, and the per-bin rates are fitted non-decreasing (weighted isotonic regression) so that a
-    higher score never maps below a lower one and sorted scores stay sorted."""
+    CAST's utilities assume that draft probabilities are acceptance chances, so that a node's score (their product
+    along its path) is the chance the target accepts it. A drafter can be far off: an n-gram index that saw a
+    suffix once says 1.0 at every step of a long chain, a weak EAGLE head is confident and wrong. Probabilities are
+    binned; each bin starts with `prior` pseudo-observations at its own centre (so an unobserved drafter is taken
+    at its word), counts decay by `decay` per step so the map follows the text, and the per-bin rates are fitted
+    non-decreasing (weighted isotonic regression) so that a likelier child never maps below a less likely one.
+    A node's utility is then the product of calibrated probabilities along its path (`CastPolicy.node_utility`),
+    which keeps every child below its parent."""
 
     EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97, 1.0)
 
@@ -81,6 +84,34 @@ class AcceptanceCalibration:
         return torch.where(flat > 0, out, 0.0).reshape(scores.shape).to(scores.dtype)
 
 
+class DraftingPayoff:
+    """Whether drafting has paid lately: per drafting step, the tokens it emitted minus its price in plain AR
+    steps (its draft forwards plus its verify forward, from the cost table), averaged with decaying weights.
+    An AR step's payoff is 0 by definition, so drafting is worth it while this is above 0.
+
+    Starts at `prior_gain` with `prior` pseudo-observations and fades back there (also on AR steps), so a drafter
+    that stopped paying is tried again now and then: a drafter that loses g AR steps per try ends up trying on
+    about (1 - decay) * prior * prior_gain / g of the steps. Priced, not timed, so that a replay decides exactly
+    as real decoding does."""
+
+    def __init__(self, prior_gain: float = 0.5, prior: float = 2.0, decay: float = 0.99) -> None:
+        self.prior_gain, self.prior, self.decay = prior_gain, prior, decay
+        self.total, self.weight = prior * prior_gain, prior
+
+    @property
+    def expected(self) -> float:
+        return self.total / self.weight
+
+    def observe(self, gain: float | None) -> None:
+        """One step: a drafting step's gain in tokens over an AR step, or None for an AR step."""
+        d = self.decay
+        self.total = d * self.total + (1 - d) * self.prior * self.prior_gain
+        self.weight = d * self.weight + (1 - d) * self.prior
+        if gain is not None:
+            self.total += gain
+            self.weight += 1
+
+
 class CastPolicy(Policy):
     name = "cast"
 
@@ -97,6 +128,8 @@ class CastPolicy(Policy):
         self.fifo_size, self.max_depth, self.top_k, self.max_verify, self.auto = (
             fifo_size, max_depth, top_k, max_verify, auto)
         self.calibration = AcceptanceCalibration() if calibrate else None
+        self.payoff = DraftingPayoff() if calibrate else None
+        self._step_price: float | None = None  # this step's price in AR steps so far; None: not drafting
         self.ratios: deque[float] = deque([1.0], maxlen=fifo_size)
         self.goodput = None  # tokens per second, measured (exponential average)
         self.trace: dict = {}
@@ -117,14 +150,27 @@ class CastPolicy(Policy):
         if seconds > 0:
             rate = tokens / seconds
             self.goodput = rate if self.goodput is None else 0.8 * self.goodput + 0.2 * rate
+        if self.payoff is not None:
+            self.payoff.observe(None if self._step_price is None else tokens - self._step_price)
+        self._step_price = None
 
     def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
-        if self.calibration is not None:
-            kept = set(path)
-            self.calibration.observe(tree.scores[1:].tolist(), [i in kept for i in range(1, len(tree))])
+        """Calibration learns P(accepted | parent accepted) from each verified node whose parent the target
+        accepted (the root or a node on the path): its draft probability given the parent, and the verdict."""
+        if self.calibration is None:
+            return
+        kept = {0, *path}
+        scores, parents = tree.scores.tolist(), tree.parents.tolist()
+        nodes = [i for i in range(1, len(tree)) if parents[i] in kept]
+        self.calibration.observe([scores[i] / scores[parents[i]] if scores[parents[i]] > 0 else 0.0 for i in nodes],
+                                 [i in kept for i in nodes])
 
-    def _utilities(self, scores: torch.Tensor, batch_size: int) -> list[float]:
-        return batch_utilities(self.calibration(scores) if self.calibration is not None else scores, batch_size)
+    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor) -> torch.Tensor:
+        """Calibrated: the parent's utility times the learnt chance that the target takes this child once it has
+        taken the parent; a chain of confident n-gram guesses then loses worth with every step, as it does."""
+        if self.calibration is None:
+            return super().node_utility(probs, parent_utility)
+        return self.calibration(probs).to(parent_utility.dtype) * parent_utility
 
     # ---- decisions ----------------------------------------------------------------------------------------
 
@@ -132,12 +178,22 @@ class CastPolicy(Policy):
         self._ar_seconds = self.costs.f_target(ctx.batch_size, ctx.context_length, 1)
         self._layer_utility: float | None = None
         self._drafted = 0
+        # the first draft forward absorbs every token accepted since the drafter last ran; verifying nothing
+        # costs one AR step
+        self._step_price = 1.0 + self.costs.normalised_draft(ctx.batch_size, ctx.context_length,
+                                                             max(1, ctx.pending))
         self.trace = {"context": ctx.context_length, "batch_size": ctx.batch_size, "layers": []}
+        if self.payoff is not None:
+            self.trace["drafting_payoff"] = round(self.payoff.expected, 4)
 
     def should_draft(self, ctx: StepContext) -> bool:
         """Auto mode: draft only if some chain could beat AR even at the best: d drafted tokens, all accepted,
         must be worth more than their cost (d draft forwards of one node plus the wider verify forward). Where
-        no depth passes, speculation cannot pay on this hardware and the step is plain AR."""
+        no depth passes, speculation cannot pay on this hardware and the step is plain AR.
+        Calibrated (either mode): also only while drafting has paid lately (`DraftingPayoff`): a drafter whose
+        scores no calibration can fix still costs its forwards, and only skipping them stops that loss."""
+        if self.payoff is not None and self.payoff.expected <= 0:
+            return False
         if not self.auto:
             return True
         b, c = ctx.batch_size, ctx.context_length
@@ -150,15 +206,16 @@ class CastPolicy(Policy):
 
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
         b = ctx.batch_size
-        utilities = self._utilities(scores, b)
+        utilities = batch_utilities(scores, b)
         draft_context = ctx.context_length + self._drafted
-        costs = [self.costs.normalised_draft(b, draft_context, k) for k in range(1, len(utilities) + 1)]
+        draft_costs = [self.costs.normalised_draft(b, draft_context, k) for k in range(1, len(utilities) + 1)]
+        costs = draft_costs
         if self.auto:
             # a drafted node only pays off once verified: charge its share of the verify forward as well
             verify = self.costs.normalised_target
             base = verify(b, ctx.context_length, self._drafted + 1)
             costs = [c + verify(b, ctx.context_length, self._drafted + 1 + k) - base
-                     for k, c in enumerate(costs, start=1)]
+                     for k, c in enumerate(draft_costs, start=1)]
         c1 = self.threshold("breadth", scores, ctx)
         width = min(select_max_valid_index(utilities, costs, c1), self.top_k)
         entry = {"layer": layer, "candidates": len(utilities), "width": width, "c1": c1,
@@ -179,15 +236,18 @@ class CastPolicy(Policy):
             entry["stop"] = "max_depth" if layer >= self.max_depth else "depth_pruning"
             return 0
         self._drafted += width
+        if layer < ctx.depth_limit:  # the forward that expands the kept nodes (none at the depth limit)
+            self._step_price += draft_costs[width - 1]
         return width
 
     def verify_budget(self, scores: torch.Tensor, ctx: StepContext) -> int:
         b = ctx.batch_size
-        utilities = self._utilities(scores[..., : self.max_verify], b)
+        utilities = batch_utilities(scores[..., : self.max_verify], b)
         # verifying k drafted nodes is a forward of k + 1 tokens (the root); verifying none is one AR step
         costs = [self.costs.normalised_target(b, ctx.context_length, k + 1) for k in range(1, len(utilities) + 1)]
         c3 = self.threshold("verify", scores, ctx)
         budget = select_max_valid_index(utilities, costs, c3, base_utility=0.0, base_cost=1.0)
+        self._step_price += (costs[budget - 1] - 1.0) if budget else 0.0
         self.trace.update({"verify_budget": budget, "c3": c3, "verify_utilities": [round(u, 5) for u in
                                                                                   utilities[:32]],
                            "verify_costs": [round(c, 4) for c in costs[:32]]})

@@ -323,7 +323,7 @@ def _prompts(sets: str, per_set: int, offset: int) -> list[dict]:
 
 
 def _cmd_bench(args) -> None:
-    from castspec.bench import parse_methods, run_benchmark, save_results
+    from castspec.bench import RunFiles, parse_methods, run_benchmark, save_results
 
     specs = parse_methods(args.methods)
     sampling = _sampling(args)
@@ -331,29 +331,11 @@ def _cmd_bench(args) -> None:
         sampling = dataclasses.replace(sampling, seed=0)  # every method draws from the same seed per prompt
     settings = {k: getattr(args, k) for k in ("model", "draft", "head", "methods", "max_new_tokens", "dtype",
                                                "temperature", "top_p", "sample_top_k", "seed", "draft_sampling")}
-    settings_file = Path(args.out_dir) / f"{args.name}.partial.settings.json"
-    partial = Path(args.out_dir) / f"{args.name}.partial.jsonl"
+    files = RunFiles(Path(args.out_dir), args.name)
     if args.resume:
         if args.batch_sizes:
             raise CastspecError("--resume continues a per-prompt benchmark; the throughput mode starts afresh")
-        finished, rows = Path(args.out_dir) / f"{args.name}.json", None
-        if settings_file.is_file():
-            before = json.loads(settings_file.read_text())
-        elif finished.is_file():  # a finished run grows: its rows are kept, new prompts are added
-            data = json.loads(finished.read_text())
-            before, rows = data.get("meta", {}).get("settings"), data["rows"]
-            if before is None:
-                raise CastspecError(f"{finished} predates --resume (it records no settings): run it afresh")
-        else:
-            raise CastspecError(f"nothing to resume under --name {args.name}: neither {settings_file} nor "
-                                f"{finished} exists")
-        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
-        if changed:
-            raise CastspecError("--resume with other settings than the interrupted run: " +
-                                "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
-        if rows is not None:
-            partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            settings_file.write_text(json.dumps(before))
+        files.resume(settings)
     if args.batch_sizes:
         if not sampling.greedy:
             raise CastspecError("the throughput mode measures greedy decoding; leave out --temperature")
@@ -367,17 +349,15 @@ def _cmd_bench(args) -> None:
     prompts = _prompts(args.sets, args.per_set, args.offset)
     if args.limit > 0:
         prompts = prompts[: args.limit]
-    partial.parent.mkdir(parents=True, exist_ok=True)
     if not args.resume:
-        partial.unlink(missing_ok=True)
-        settings_file.write_text(json.dumps(settings))
+        files.start(settings)
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if args.batch_sizes:
         from castspec.bench import run_throughput, throughput_table
 
-        result = run_throughput(target, tokenizer, draft, specs, prompts, args.max_new_tokens, sizes, partial, head)
-        partial.unlink(missing_ok=True)
-        settings_file.unlink(missing_ok=True)
+        result = run_throughput(target, tokenizer, draft, specs, prompts, args.max_new_tokens, sizes, files.partial,
+                                head)
+        files.clear()
         title = (f"{args.model} ({args.dtype}), draft {args.draft}{f', head {args.head}' if args.head else ''}, "
                  f"{len(prompts)} prompts, "
                  f"{args.max_new_tokens} new tokens, batched")
@@ -385,11 +365,10 @@ def _cmd_bench(args) -> None:
         print(throughput_table(result["summary"]))
         print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
         return
-    result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=partial,
+    result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=files.partial,
                            sampling=sampling, draft_sampling=args.draft_sampling, head=head, resume=args.resume)
     result["meta"]["settings"] = settings
-    partial.unlink(missing_ok=True)
-    settings_file.unlink(missing_ok=True)
+    files.clear()
     title = (f"{args.model} ({args.dtype}), draft {args.draft}{f', head {args.head}' if args.head else ''}, "
              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens")
     if not sampling.greedy:

@@ -30,30 +30,38 @@ class DraftRecord:
 
 
 class _Pool:
-    """Every node drafted this step, in topological order, best-scored first within a layer."""
+    """Every node drafted this step, in topological order, best first within a layer. A node's score is the
+    product of draft probabilities along its path; its utility (what the policy ranks and buys by) is, by default,
+    the same, or the policy's own estimate (`Policy.node_utility`)."""
 
     def __init__(self, root_token: int) -> None:
-        self.tokens, self.parents, self.scores = [root_token], [-1], [1.0]
+        self.tokens, self.parents, self.scores, self.utilities = [root_token], [-1], [1.0], [1.0]
         self.proposals: dict[int, Proposal] = {}
 
-    def add_layer(self, frontier: list[int], cands: Candidates) -> tuple[list[int], torch.Tensor]:
-        """Append the frontier's children, best first; returns their pool indices and sorted scores."""
+    def add_layer(self, frontier: list[int], cands: Candidates, policy: Policy | None = None
+                  ) -> tuple[list[int], torch.Tensor]:
+        """Append the frontier's children, best first; returns their pool indices and sorted utilities."""
         if cands.proposal is not None:
             for row, node in enumerate(frontier):
                 drawn = cands.tokens[row][cands.probs[row] > 0].tolist()
                 self.proposals[node] = Proposal(drawn, cands.proposal[row])
-        parent_scores = torch.tensor([self.scores[p] for p in frontier])
-        scores = (cands.probs * parent_scores[:, None]).flatten()
+        parent_scores = torch.tensor([self.scores[p] for p in frontier])[:, None]
+        parent_utilities = torch.tensor([self.utilities[p] for p in frontier])[:, None]
+        probs = cands.probs.cpu()
+        scores = (probs * parent_scores).flatten()
+        utilities = (policy.node_utility(probs, parent_utilities) if policy is not None else
+                     probs * parent_utilities).flatten()
         parents = torch.tensor(frontier).repeat_interleave(cands.probs.shape[1])
         tokens = cands.tokens.flatten().cpu()
-        real = cands.probs.flatten() > 0
-        scores, parents, tokens = scores[real], parents[real], tokens[real]
-        order = torch.sort(scores, descending=True, stable=True).indices
+        real = probs.flatten() > 0
+        scores, utilities, parents, tokens = scores[real], utilities[real], parents[real], tokens[real]
+        order = torch.sort(utilities, descending=True, stable=True).indices
         first = len(self.tokens)
         self.tokens += tokens[order].tolist()
         self.parents += parents[order].tolist()
         self.scores += scores[order].tolist()
-        return list(range(first, len(self.tokens))), scores[order]
+        self.utilities += utilities[order].tolist()
+        return list(range(first, len(self.tokens))), utilities[order]
 
     def tree(self) -> DraftTree:
         return DraftTree.from_lists(self.tokens, self.parents, self.scores, self.proposals)
@@ -81,7 +89,7 @@ def grow_trees(
     frontiers, layer = [[0] for _ in pools], 1
     try:
         while True:
-            layers = [pool.add_layer(f, c) for pool, f, c in zip(pools, frontiers, cands, strict=True)]
+            layers = [pool.add_layer(f, c, policy) for pool, f, c in zip(pools, frontiers, cands, strict=True)]
             added = sum(len(nodes) for nodes, _ in layers)
             width = policy.width(layer, _padded([scores for _, scores in layers]), ctx) if added else 0
             record.layer_sizes.append(added)
@@ -97,10 +105,12 @@ def grow_trees(
     record.decisions = dict(getattr(policy, "trace", {}))
     if all(len(full) == 1 for full in fulls):
         return fulls, record
-    # rank by score, ties broken by depth so that a parent always outranks its child (ancestor-closed set)
-    ranked = [torch.sort(f.scores[1:].double() - f.depths[1:].double() * 1e-12, descending=True,
-                         stable=True).indices + 1 for f in fulls]
-    scores = _padded([f.scores[r] for f, r in zip(fulls, ranked, strict=True)])
+    # rank by utility, ties broken by depth so that a parent always outranks its child (ancestor-closed set:
+    # a child's utility never exceeds its parent's)
+    utilities = [torch.tensor(pool.utilities, dtype=torch.float64) for pool in pools]
+    ranked = [torch.sort(u[1:] - f.depths[1:].double() * 1e-12, descending=True, stable=True).indices + 1
+              for u, f in zip(utilities, fulls, strict=True)]
+    scores = _padded([u[r].float() for u, r in zip(utilities, ranked, strict=True)])
     budget = max(0, min(policy.verify_budget(scores, ctx), scores.shape[1]))
     record.verify_budget = budget
     record.decisions = dict(getattr(policy, "trace", {}))

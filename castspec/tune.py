@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from castspec.api import Engine, make_policy
-from castspec.bench import MethodSpec, markdown_table, run_benchmark
+from castspec.bench import MethodSpec, markdown_table, parse_methods, policy_options, run_benchmark
 from castspec.cost import CostTable
 from castspec.errors import CastspecError
 from castspec.replay import replay
@@ -81,16 +81,14 @@ def run_tune(target_model, tokenizer, draft_model, method: str, drafter: str, gr
            reference_engine.encode(prompt=p["prompt"]) for p in prompts]
     references = [reference_engine.generate(prompt_ids=i, max_new_tokens=max_new_tokens).output_ids
                   for i in tqdm(ids, desc="reference (AR)", unit="prompt")]
-    candidates = [(method_label(method, drafter, point), method, point) for point in grid]
-    candidates += [(f"cast:{drafter}", "cast", {"cost_table": costs, "cast_auto": True}),
-                   (f"cast:{drafter}:calibrate=1", "cast", {"cost_table": costs, "cast_calibrate": True}),
-                   (f"cast:{drafter}:auto=0", "cast", {"cost_table": costs, "cast_auto": False})]
+    labels = [method_label(method, drafter, point) for point in grid]
+    labels += [f"cast:{drafter}", f"cast:{drafter}:calibrate=1", f"cast:{drafter}:auto=0"]
     replayed = []
-    for label, name, options in tqdm(candidates, desc="replay", unit="config"):
-        row = _replay_all(make_drafter, lambda n=name, o=options: make_policy(n, **o), ids, references, costs,
-                          max_new_tokens)
-        replayed.append({"method": label, "options": {k: v for k, v in options.items() if k != "cost_table"},
-                         **row})
+    for spec in tqdm(parse_methods(";".join(labels)), desc="replay", unit="config"):
+        options = policy_options(spec, costs)
+        row = _replay_all(make_drafter, lambda s=spec.method, o=options: make_policy(s, **o), ids, references,
+                          costs, max_new_tokens)
+        replayed.append({"method": spec.label, "options": spec.options, **row})
     fixed = _ranked_fixed(replayed)
     specs = [MethodSpec("ar", "ar")]
     specs += [MethodSpec(r["method"], method, drafter, r["options"]) for r in fixed[:measure]]

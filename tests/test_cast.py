@@ -177,6 +177,26 @@ def test_calibration_starts_at_the_drafters_word_and_learns_the_acceptance_rate(
     assert torch.allclose(calibration(scores), scores, atol=0.03)
 
 
+def test_calibrated_utilities_fall_along_a_chain_of_confident_guesses():
+    from castspec.tree import DraftTree
+
+    policy = CastPolicy(table(0.05, 0.01), auto=True, calibrate=True)
+    one = torch.tensor([[1.0]])
+    assert policy.node_utility(one, one).item() > 0.95  # unobserved: the drafter's word
+    chain = DraftTree.from_lists([5, 6, 7, 8], [-1, 0, 1, 2], [1.0, 1.0, 1.0, 1.0])  # an n-gram's sure chain
+    for _ in range(60):  # the target takes each next guess half the time: accepted lengths 0,0,0,0,1,1,2,3
+        for accepted in (0, 0, 0, 0, 1, 1, 2, 3):
+            policy.observe_tree(chain, [1, 2, 3][:accepted])
+    depth1 = policy.node_utility(one, one)
+    depth3 = policy.node_utility(one, policy.node_utility(one, depth1))
+    # about one half (recent steps weigh more, and the cycle ends on its long acceptances); three deep, its cube,
+    # where calibrating the path score (1.0 at every depth) would have said one half again
+    assert 0.45 < depth1.item() < 0.6 and abs(depth3.item() - depth1.item() ** 3) < 1e-6 and depth3.item() < 0.2
+    uncalibrated = CastPolicy(table(0.05, 0.01), auto=True)
+    raw = uncalibrated.node_utility(torch.tensor([[0.5, 0.2]]), torch.tensor([[0.5]]))
+    assert torch.allclose(raw, torch.tensor([[0.25, 0.1]]))  # uncalibrated: the draft score
+
+
 def test_calibration_fit_never_inverts_the_order_of_scores():
     from castspec.cast import AcceptanceCalibration
 
@@ -207,3 +227,60 @@ def test_a_calibrated_cast_verifies_less_from_a_drafter_that_overpromises():
         return len(tree) - 1
 
     assert sizes(calibrate=False) > 0 and sizes(calibrate=True) < sizes(calibrate=False)
+
+
+# ---- drafting payoff (calibrated CAST) ---------------------------------------------------------------------------
+
+def test_drafting_payoff_stops_a_losing_drafter_and_tries_it_again_now_and_then():
+    from castspec.cast import DraftingPayoff
+
+    payoff = DraftingPayoff(prior_gain=0.5, prior=2.0, decay=0.99)
+    assert payoff.expected == 0.5  # untried: optimistic
+    for _ in range(10):
+        payoff.observe(-0.3)  # each drafting step costs 0.3 AR steps more than it brings
+    assert payoff.expected < 0
+    ar_steps = 0
+    while payoff.expected <= 0:
+        payoff.observe(None)
+        ar_steps += 1
+    assert 0 < ar_steps < 500  # the evidence fades: the drafter is tried again
+    tries = 0
+    for _ in range(5000):
+        if payoff.expected > 0:
+            payoff.observe(-0.3)
+            tries += 1
+        else:
+            payoff.observe(None)
+    # (1 - decay) * prior * prior_gain / (0.3 + that) = 3.2 % of the steps
+    assert 0.02 < tries / 5000 < 0.045
+    winner = DraftingPayoff()
+    for _ in range(1000):
+        winner.observe(0.05)
+        assert winner.expected > 0
+
+
+def _drafting_steps(policy: CastPolicy, accepts_all: bool, steps: int = 150) -> int:
+    """Steps on which `policy` drafts, when the target accepts every drafted chain (or nothing)."""
+    from castspec.tree import DraftTree
+
+    drafted = 0
+    for _ in range(steps):
+        ctx = StepContext(1, 16)
+        tree, path = DraftTree.single(3), []
+        if policy.should_draft(ctx):
+            drafted += 1
+            tree, _ = grow_tree(ScriptedDrafter(), policy, [3], ctx)
+            if accepts_all:
+                path = max(tree.paths(), key=len)[1:]
+        policy.observe_tree(tree, path)
+        policy.observe(len(path) + 1, 0.1)
+    return drafted
+
+
+def test_calibrated_cast_stops_drafting_when_drafting_does_not_pay():
+    def policy(calibrate: bool) -> CastPolicy:  # each drafted token costs 0.3 AR steps to draft, 0.1 to verify
+        return CastPolicy(table(0.1, 0.3), c1=0.5, c2=0.5, c3=0.5, top_k=2, max_depth=3, calibrate=calibrate)
+
+    assert _drafting_steps(policy(False), accepts_all=False) == 150  # the paper's CAST always drafts
+    assert 0 < _drafting_steps(policy(True), accepts_all=False) < 15
+    assert _drafting_steps(policy(True), accepts_all=True) == 150  # a drafter that pays is never stopped

@@ -139,6 +139,8 @@ def test_cast_matches_hf_greedy_with_every_drafter(smollm, smollm_reference, cas
     model, tokenizer = smollm
     engines_ = {
         "cast-auto-ngram": Engine(model, tokenizer, NgramDrafter(), CastPolicy(flat_costs(), auto=True)),
+        "cast-calibrated-ngram": Engine(model, tokenizer, NgramDrafter(),
+                                        CastPolicy(flat_costs(), auto=True, calibrate=True)),
         "cast-paper-draft": Engine(model, tokenizer, DraftModelDrafter(model),
                                    CastPolicy(flat_costs(), 4.0, 3.0, 2.5)),
         "cast-auto-draft": Engine(model, tokenizer, DraftModelDrafter(model), CastPolicy(flat_costs(), auto=True)),
