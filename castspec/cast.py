@@ -90,9 +90,9 @@ class DraftingPayoff:
     An AR step's payoff is 0 by definition, so drafting is worth it while this is above 0.
 
     Starts at `prior_gain` with `prior` pseudo-observations and fades back there (also on AR steps), so a drafter
-    that stopped paying is tried again now and then: a drafter that loses g AR steps per try ends up trying on
-    about (1 - decay) * prior * prior_gain / g of the steps. Priced, not timed, so that a replay decides exactly
-    as real decoding does."""
+    that stopped paying is tried again now and then: with a = (1 - decay) * prior * prior_gain, a drafter that
+    loses g AR steps per try ends up trying on about a / (g + a) of the steps. Priced, not timed, so that a replay
+    decides exactly as real decoding does."""
 
     def __init__(self, prior_gain: float = 0.5, prior: float = 2.0, decay: float = 0.99) -> None:
         self.prior_gain, self.prior, self.decay = prior_gain, prior, decay
