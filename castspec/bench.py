@@ -51,6 +51,12 @@ def parse_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
+def encode_prompts(engine: Engine, prompts: list[dict]) -> list[list[int]]:
+    """Token ids of prompt-set rows: chat rows ("messages") through the chat template, plain rows ("prompt") as is."""
+    return [engine.encode(messages=p["messages"]) if "messages" in p else engine.encode(prompt=p["prompt"])
+            for p in prompts]
+
+
 def policy_options(spec: MethodSpec, costs=None) -> dict:
     """make_policy's keyword arguments for a method item: its options, CAST's short ones spelled out."""
     options = dict(spec.options)
@@ -122,8 +128,7 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
     methods still run side by side). With `sampling`, every method samples with the same parameters and seed."""
     runners = _runners(target_model, tokenizer, draft_model, specs, head)
     encoder = next(r for r in runners.values() if isinstance(r, Engine)) if runners else None
-    encoded = [encoder.encode(messages=p["messages"]) if "messages" in p else encoder.encode(prompt=p["prompt"])
-               for p in prompts]
+    encoded = encode_prompts(encoder, prompts)
     for runner in runners.values():  # warm-up: kernels, allocator, caches
         for ids in encoded[:warmup]:
             _run(runner, ids, min(16, max_new_tokens), sampling, draft_sampling)
@@ -338,8 +343,7 @@ def run_throughput(target_model, tokenizer, draft_model, specs: list[MethodSpec]
         raise CastspecError("the HF baselines decode one prompt at a time: leave them out of a batched run")
     runners = _runners(target_model, tokenizer, draft_model, specs, head)
     engine = next(iter(runners.values()))
-    encoded = [engine.encode(messages=p["messages"]) if "messages" in p else engine.encode(prompt=p["prompt"])
-               for p in prompts]
+    encoded = encode_prompts(engine, prompts)
     for runner in runners.values():  # warm-up (one short prompt: on a CPU a batched prefill costs minutes)
         runner.generate_batch(prompt_ids=[min(encoded, key=len)], max_new_tokens=min(4, max_new_tokens))
     rows = []

@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from castspec.api import Engine, make_policy
-from castspec.bench import MethodSpec, markdown_table, parse_methods, policy_options, run_benchmark
+from castspec.bench import MethodSpec, encode_prompts, markdown_table, parse_methods, policy_options, run_benchmark
 from castspec.cost import CostTable
 from castspec.errors import CastspecError
 from castspec.replay import replay
@@ -77,8 +77,7 @@ def run_tune(target_model, tokenizer, draft_model, method: str, drafter: str, gr
              max_new_tokens: int, costs: CostTable, make_drafter, measure: int = 3) -> dict:
     """Steps 1-3 of the module docstring. `make_drafter()` builds a fresh drafter for each replay."""
     reference_engine = Engine(target_model, tokenizer)
-    ids = [reference_engine.encode(messages=p["messages"]) if "messages" in p else
-           reference_engine.encode(prompt=p["prompt"]) for p in prompts]
+    ids = encode_prompts(reference_engine, prompts)
     references = [reference_engine.generate(prompt_ids=i, max_new_tokens=max_new_tokens).output_ids
                   for i in tqdm(ids, desc="reference (AR)", unit="prompt")]
     labels = [method_label(method, drafter, point) for point in grid]

@@ -5,6 +5,7 @@ import json
 import statistics
 
 from castspec.api import Engine, drafter_identity, find_cost_table
+from castspec.bench import encode_prompts
 from castspec.cast import CastPolicy
 from castspec.cli import _prompts
 from castspec.cost import setup_key
@@ -16,7 +17,7 @@ target, tok = load_model("qwen2.5-coder-1.5b", "bf16")
 costs = find_cost_table(setup_key(target), drafter_identity(None))
 prompts = _prompts("mtbench,humaneval,gsm8k", 3, 40)
 engine = Engine(target, tok)
-ids = [engine.encode(messages=p["messages"]) if "messages" in p else engine.encode(prompt=p["prompt"]) for p in prompts]
+ids = encode_prompts(engine, prompts)
 refs = [engine.generate(prompt_ids=i, max_new_tokens=64).output_ids for i in ids]
 
 
