@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import transformers
 from tqdm import tqdm
 
 from castspec.api import Engine, drafter_identity, find_cost_table, make_policy
-from castspec.cost import setup_key
+from castspec.cost import device_name, setup_key
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
 from castspec.drafters.ngram import NgramDrafter
@@ -269,7 +268,7 @@ def summarise(rows: list[dict], compare_outputs: bool = True) -> list[dict]:
 
 
 def _meta(max_new_tokens: int, prompts: int) -> dict:
-    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": device_name(torch.device("cpu")),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "max_new_tokens": max_new_tokens, "prompts": prompts}
 
@@ -331,6 +330,78 @@ def _meta_line(result: dict) -> str:
     m = result["meta"]
     return (f"{m['date']}, {m['machine']}, {m['threads']} threads, torch {m['torch']}, transformers "
             f"{m['transformers']}, {m['prompts']} prompts, max {m['max_new_tokens']} new tokens.")
+
+
+# ---- several runs in one report -----------------------------------------------------------------------------------
+
+def combine_runs(results: list[dict], names: list[str]) -> dict:
+    """One report from runs that measured different methods on the same prompts, each with its own AR (a run's
+    method list is fixed once it starts, so a method added later needs a run of its own). Only the prompts every run
+    finished count; each method's speed-up is over the AR of its own run, measured beside it. The AR row shown is
+    the first run's; every run's AR tokens/s on those prompts is kept in meta, to show how far sittings drifted."""
+    if len(results) < 2:
+        raise CastspecError("combining needs at least two runs")
+    settings = [r["meta"].get("settings", {}) for r in results]
+    for key in ("model", "dtype", "max_new_tokens", "temperature"):
+        values = {json.dumps(s.get(key)) for s in settings}
+        if len(values) > 1:
+            raise CastspecError(f"the runs differ in {key} ({', '.join(sorted(values))}): their ratios do not compare")
+    if any("sampling" in r["meta"] for r in results):
+        raise CastspecError("combining reads greedy runs (sampled outputs are not compared with AR)")
+    for name, result in zip(names, results, strict=True):
+        if not any(row["method"] == "ar" for row in result["rows"]):
+            raise CastspecError(f"{name} has no 'ar' rows: its methods have no AR to be compared with")
+    common = set.intersection(*({row["prompt_id"] for row in r["rows"]} for r in results))
+    if not common:
+        raise CastspecError("the runs share no prompt")
+    summary, ar_rates, seen = [], {}, set()
+    for index, (name, result) in enumerate(zip(names, results, strict=True)):
+        rows = [row for row in result["rows"] if row["prompt_id"] in common]
+        for row in summarise(rows):
+            if row["method"] == "ar":
+                if row["task"] == "all":
+                    ar_rates[name] = row["tokens_per_s"]
+                if index > 0:
+                    continue
+            elif (row["method"], row["task"]) in seen:
+                row = {**row, "method": f"{row['method']} ({name})"}
+            seen.add((row["method"], row["task"]))
+            summary.append({**row, "run": name})
+    meta = {**results[0]["meta"], "prompts": len(common), "runs": names, "ar_tokens_per_s": ar_rates}
+    meta.pop("command", None)
+    return {"meta": meta, "summary": summary}
+
+
+def wide_table(summary: list[dict]) -> str:
+    """One row per method: speed-up over all prompts with tau, verify size and depth, then speed-up per task."""
+    tasks = [t for t in dict.fromkeys(r["task"] for r in summary) if t != "all"]
+    cell = {(r["method"], r["task"]): r for r in summary}
+    lines = ["| method | all | tau | verify size | depth | " + " | ".join(tasks) + " |",
+             "|---|" + "---|" * (4 + len(tasks))]
+    for method in dict.fromkeys(r["method"] for r in summary):
+        every = cell[(method, "all")]
+        speedups = [cell.get((method, t), {}).get("speedup") for t in tasks]
+        lines.append(f"| `{method}` | " + " | ".join(
+            [_times(every.get("speedup")), _fmt(every.get("tau")), _fmt(every.get("mean_tree_size")),
+             _fmt(every.get("mean_depth"))] + [_times(s) for s in speedups]) + " |")
+    return "\n".join(lines)
+
+
+def _times(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def save_combined(combined: dict, out_dir: Path, name: str, command: str, title: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    combined["meta"]["command"] = command
+    (out_dir / f"{name}.json").write_text(json.dumps(combined, indent=1))
+    m = combined["meta"]
+    drift = ", ".join(f"{run}: {rate:.2f}" for run, rate in m["ar_tokens_per_s"].items())
+    (out_dir / f"{name}.md").write_text(
+        f"# {title}\n\nCommand:\n\n```\n{command}\n```\n\n{m['prompts']} prompts finished by every run; each "
+        f"method's speed-up is over the AR of its own run (AR tokens/s per run: {drift}).\n\n"
+        f"{wide_table(combined['summary'])}\n\n{markdown_table(combined['summary'])}\n\n![plot]({name}.png)\n")
+    plot_speedups(combined["summary"], out_dir / f"{name}.png", title)
 
 
 # ---- batched throughput ------------------------------------------------------------------------------------------

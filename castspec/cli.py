@@ -110,6 +110,13 @@ def _build_parser() -> argparse.ArgumentParser:
                                              "(speed-up over batched AR per batch size)")
     _sampling_args(bench)
 
+    combine = sub.add_parser("bench-combine", help="one table and plot from benchmark runs on the same prompts, "
+                                                   "each method over its own run's AR")
+    combine.add_argument("runs", nargs="+", help="finished runs' JSON files (bench/NAME.json)")
+    combine.add_argument("--out-dir", default="bench")
+    combine.add_argument("--name", required=True)
+    combine.add_argument("--title", help="plot and page title (default: the runs' model and prompt count)")
+
     tune = sub.add_parser("tune", help="find the best fixed tree (EAGLE-2 grid or chain lengths) on a tuning split: "
                                        "replay every grid point, measure the best few")
     tune.add_argument("--model", default=DEFAULT_TARGET)
@@ -331,6 +338,8 @@ def _cmd_bench(args) -> None:
         sampling = dataclasses.replace(sampling, seed=0)  # every method draws from the same seed per prompt
     settings = {k: getattr(args, k) for k in ("model", "draft", "head", "methods", "max_new_tokens", "dtype",
                                                "temperature", "top_p", "sample_top_k", "seed", "draft_sampling")}
+    # sittings on another kind of machine would mix speeds that do not compare (a CPU with native bf16 runs 3x faster)
+    settings["machine"] = _machine()
     files = RunFiles(Path(args.out_dir), args.name)
     if args.resume:
         if args.batch_sizes:
@@ -380,16 +389,67 @@ def _cmd_bench(args) -> None:
     print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
 
 
+def _cmd_bench_combine(args) -> None:
+    from castspec.bench import combine_runs, save_combined, wide_table
+
+    results = []
+    for path in map(Path, args.runs):
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise CastspecError(f"cannot read benchmark run {path}: {e}") from e
+        if not isinstance(results[-1], dict) or "rows" not in results[-1] or "meta" not in results[-1]:
+            raise CastspecError(f"{path} is not a finished benchmark run (no rows/meta)")
+    names = [Path(p).stem for p in args.runs]
+    combined = combine_runs(results, names)
+    m = combined["meta"]
+    title = args.title or (f"{m.get('settings', {}).get('model', 'target')} ({m.get('settings', {}).get('dtype', '')}),"
+                           f" {m['prompts']} prompts, {m['max_new_tokens']} new tokens, {len(names)} runs")
+    command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    save_combined(combined, Path(args.out_dir), args.name, command, title)
+    print(wide_table(combined["summary"]))
+    print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
+
+
 def _cmd_demo(args) -> None:
     from castspec.bench import markdown_table, parse_methods, run_benchmark
 
     print(f"castspec demo: {args.model} (bf16) with {args.draft} as drafter, on this machine's CPU", flush=True)
+    if args.draft in (None, "", "none"):
+        raise CastspecError("the demo drafts with a draft model: give one with --draft")
     target, tokenizer, draft = _load_pair(args.model, args.draft, "bf16")
+    _ensure_cost_table(target, args.model, draft, args.draft)
     prompts = _prompts("mtbench,humaneval,gsm8k", args.prompts, 0)
-    result = run_benchmark(target, tokenizer, draft, parse_methods(DEMO_METHODS), prompts, args.max_new_tokens)
+    result = run_benchmark(target, tokenizer, draft, parse_methods(DEMO_METHODS + ";cast:draft"), prompts,
+                           args.max_new_tokens)
     print(markdown_table([r for r in result["summary"] if r["task"] == "all"]))
     print("speed-up = tokens/s over plain AR measured in this run; tau = mean tokens per target forward; "
           "'same as AR' counts outputs identical to AR (bf16 may flip near-ties; exactness is proven in fp32 tests)")
+
+
+def _ensure_cost_table(target, target_source: str, draft, draft_source: str) -> None:
+    """CAST reads a latency table measured on this machine; the first demo here measures one (about a minute) and
+    keeps it under $CASTSPEC_HOME/costs, where every later CAST run with this pair finds it."""
+    import re
+
+    from castspec import cost
+    from castspec.api import drafter_identity, find_cost_table
+    from castspec.models import castspec_home
+
+    if find_cost_table(cost.setup_key(target), drafter_identity(draft, None)) is not None:
+        return
+    print("castspec demo: no cost table for this pair on this machine yet: profiling one (about a minute) ...",
+          flush=True)
+    repeats = 3
+    timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, repeats),
+              "draft": lambda b, c, n: cost.time_forward(draft, b, c, n, repeats)}
+    meta = {"target": {**cost.setup_key(target), "source": target_source, "dtype_name": "bf16"},
+            "draft": {**cost.setup_key(draft), "source": draft_source, "dtype_name": "bf16"},
+            "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": repeats, "command": "castspec demo"}
+    table = _measure_table(target, timers, [1], [128, 512], cost.token_grid(32), meta)
+    name = re.sub(r"[^\w.-]+", "_", f"demo-{Path(target_source).name}-{Path(draft_source).name}-bf16-b1")
+    table.save(castspec_home() / "costs" / f"{name}.json")
+    print(f"castspec demo: cost table saved to {castspec_home() / 'costs' / name}.json", flush=True)
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -471,16 +531,6 @@ def _cmd_profile(args) -> None:
         batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
         contexts = _int_list(args.contexts, "--contexts")
         tokens = cost.token_grid(args.max_tokens)
-    limit = getattr(target.config, "max_position_embeddings", None)
-    if limit and contexts[-1] + tokens[-1] > limit:
-        raise CastspecError(f"context {contexts[-1]} + {tokens[-1]} tokens exceeds the model's window {limit}")
-    total = len(batch_sizes) * len(contexts) * len(tokens) * len(timers)
-    bar = tqdm(total=total, desc="profile", unit="pt")
-    grids = {}
-    for which, timer in timers.items():
-        grids[which] = cost.measure_grid(timer, batch_sizes, contexts, tokens,
-                                         lambda msg, w=which: (bar.set_postfix_str(f"{w} {msg}"), bar.update()))
-    bar.close()
     meta = {"target": {**cost.setup_key(target), "source": model, "dtype_name": dtype},
             "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
             "command": "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
@@ -490,9 +540,34 @@ def _cmd_profile(args) -> None:
         meta["draft"] = {"drafter": drafter, "model": drafter, "device": cost.device_name(torch_device(args.device))}
         if head_source:
             meta["draft"]["source"] = head_source
-    table = cost.CostTable(meta, grids["target"], grids.get("draft"))
-    table.save(args.out)
+    _measure_table(target, timers, batch_sizes, contexts, tokens, meta).save(args.out)
     print(args.out)
+
+
+def _measure_table(target, timers: dict, batch_sizes: list[int], contexts: list[int], tokens: list[int], meta: dict):
+    """A cost table: every timer ('target', and 'draft' if given) measured on the grid, with a progress bar."""
+    from tqdm import tqdm
+
+    from castspec import cost
+
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit and contexts[-1] + tokens[-1] > limit:
+        raise CastspecError(f"context {contexts[-1]} + {tokens[-1]} tokens exceeds the model's window {limit}")
+    bar = tqdm(total=len(batch_sizes) * len(contexts) * len(tokens) * len(timers), desc="profile", unit="pt")
+    grids = {}
+    for which, timer in timers.items():
+        grids[which] = cost.measure_grid(timer, batch_sizes, contexts, tokens,
+                                         lambda msg, w=which: (bar.set_postfix_str(f"{w} {msg}"), bar.update()))
+    bar.close()
+    return cost.CostTable(meta, grids["target"], grids.get("draft"))
+
+
+def _machine() -> str:
+    import torch
+
+    from castspec.cost import device_name
+
+    return f"{device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads"
 
 
 def torch_device(name: str):
@@ -506,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "bench": _cmd_bench, "demo": _cmd_demo,
+                    "bench-combine": _cmd_bench_combine,
                     "train-head": _cmd_train_head, "tune": _cmd_tune,
                     "profile": _cmd_profile}
         commands[args.command](args)

@@ -31,16 +31,25 @@ FORMAT = "castspec-cost-table/1"
 KEY_FIELDS = ("device", "threads", "model", "dtype", "torch", "transformers")
 
 
+# The widest matrix instructions decide a CPU's speed more than its name: two "AMD EPYC" machines, one with native
+# bf16 and one without, time a bf16 forward 3x apart, so a cost table from one must not be read on the other.
+CPU_MATH_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "neon", "asimd")
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")):
+                flags.update(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    best = next((flag for flag in CPU_MATH_FLAGS if flag in flags), None)
+    return f"{name} [{best}]" if best else name
 
 
 def model_identity(model) -> str:

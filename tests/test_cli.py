@@ -183,12 +183,14 @@ def test_bench_resume_keeps_finished_prompts_and_runs_the_rest(tmp_path, capsys)
     kept = [{**r, "wall_s": 123.0} for r in full[:2]]  # marked: a re-run would not reproduce this time
     (tmp_path / "r.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept + full[2:3])
                                               + json.dumps(full[3])[:40])
-    settings = {"model": "smollm2-135m", "draft": "none", "head": None, "methods": "ar;eagle2:ngram:top_k=2,depth=2",
-                "max_new_tokens": 4, "dtype": "fp32", "temperature": 0.0, "top_p": 1.0, "sample_top_k": 0,
-                "seed": None, "draft_sampling": "topk"}
+    settings = json.loads((tmp_path / "r.json").read_text())["meta"]["settings"]
+    assert settings["methods"] == "ar;eagle2:ngram:top_k=2,depth=2" and "threads" in settings["machine"]
     (tmp_path / "r.partial.settings.json").write_text(json.dumps({**settings, "max_new_tokens": 8}))
     assert main([*common, "--resume"]) == 2
     assert "max_new_tokens: was 8, now 4" in capsys.readouterr().err
+    (tmp_path / "r.partial.settings.json").write_text(json.dumps({**settings, "machine": "Other CPU, 2 threads"}))
+    assert main([*common, "--resume"]) == 2
+    assert "machine: was 'Other CPU, 2 threads'" in capsys.readouterr().err
     (tmp_path / "r.partial.settings.json").write_text(json.dumps(settings))
     assert main([*common, "--resume"]) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
