@@ -202,3 +202,21 @@ def test_bench_resume_keeps_finished_prompts_and_runs_the_rest(tmp_path, capsys)
     assert main([*common, "--per-set", "2", "--resume"]) == 0
     grown = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert len(grown) == 8 and [r for r in grown if r["prompt_id"] in (first, second)] == rows
+
+
+def test_demo_profiles_a_cost_table_once_and_runs_cast(tmp_path, monkeypatch, capsys):
+    from castspec.models import converted_dir, fetch
+
+    fetch("smollm2-135m")
+    model_dir = str(converted_dir("smollm2-135m"))
+    monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))  # no tables here: the demo must measure one
+    demo = ["demo", "--model", model_dir, "--draft", model_dir, "--prompts", "1", "--max-new-tokens", "4"]
+    assert main(demo) == 0
+    out = capsys.readouterr().out
+    assert "profiling one" in out and "`cast:draft`" in out
+    tables = list((tmp_path / "costs").glob("*.json"))
+    assert len(tables) == 1 and json.loads(tables[0].read_text())["meta"]["draft"]["source"] == model_dir
+    assert main(demo) == 0  # the second demo finds the table
+    assert "profiling one" not in capsys.readouterr().out
+    assert main(["demo", "--model", model_dir, "--draft", "none"]) == 2
+    assert "give one with --draft" in capsys.readouterr().err
