@@ -297,13 +297,16 @@ def plot_speedups(summary: list[dict], out: Path, title: str) -> None:
 
     tasks = list(dict.fromkeys(r["task"] for r in summary))
     methods = [m for m in dict.fromkeys(r["method"] for r in summary) if m != "ar"]
-    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(methods) * len(tasks) / 2), 4.2))
+    many = len(methods) > 10  # the default 10-colour cycle would give two methods one colour
+    fig, ax = plt.subplots(figsize=(min(16, max(7, 0.3 * len(methods) * len(tasks) + 2)), 5.0 if many else 4.2))
     width = 0.8 / max(1, len(methods))
+    palette = plt.get_cmap("tab20").colors if many else [None] * len(methods)
     for i, method in enumerate(methods):
         values = [next((r["speedup"] or 0 for r in summary if r["task"] == t and r["method"] == method), 0)
                   for t in tasks]
-        bars = ax.bar([k + i * width for k in range(len(tasks))], values, width, label=method)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        bars = ax.bar([k + i * width for k in range(len(tasks))], values, width, label=method,
+                      color=palette[i % len(palette)])
+        ax.bar_label(bars, fmt="%.2f", fontsize=5 if many else 7, rotation=90 if many else 0, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks([k + width * (len(methods) - 1) / 2 for k in range(len(tasks))], tasks)
     ax.set_ylabel("speed-up over AR")
