@@ -443,9 +443,7 @@ def _ensure_cost_table(target, target_source: str, draft, draft_source: str) -> 
     repeats = 3
     timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, repeats),
               "draft": lambda b, c, n: cost.time_forward(draft, b, c, n, repeats)}
-    meta = {"target": {**cost.setup_key(target), "source": target_source, "dtype_name": "bf16"},
-            "draft": {**cost.setup_key(draft), "source": draft_source, "dtype_name": "bf16"},
-            "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": repeats, "command": "castspec demo"}
+    meta = _table_meta(target, target_source, "bf16", repeats, "castspec demo", draft, draft_source)
     table = _measure_table(target, timers, [1], [128, 512], cost.token_grid(32), meta)
     name = re.sub(r"[^\w.-]+", "_", f"demo-{Path(target_source).name}-{Path(draft_source).name}-bf16-b1")
     table.save(castspec_home() / "costs" / f"{name}.json")
@@ -531,17 +529,26 @@ def _cmd_profile(args) -> None:
         batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
         contexts = _int_list(args.contexts, "--contexts")
         tokens = cost.token_grid(args.max_tokens)
-    meta = {"target": {**cost.setup_key(target), "source": model, "dtype_name": dtype},
-            "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
-            "command": "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
-    if draft_model is not None:
-        meta["draft"] = {**cost.setup_key(draft_model), "source": draft, "dtype_name": dtype}
-    elif drafter:
+    meta = _table_meta(target, model, dtype, args.repeats, "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                       draft_model, draft)
+    if draft_model is None and drafter:
         meta["draft"] = {"drafter": drafter, "model": drafter, "device": cost.device_name(torch_device(args.device))}
         if head_source:
             meta["draft"]["source"] = head_source
     _measure_table(target, timers, batch_sizes, contexts, tokens, meta).save(args.out)
     print(args.out)
+
+
+def _table_meta(target, target_source: str, dtype: str, repeats: int, command: str, draft=None,
+                draft_source: str | None = None) -> dict:
+    """What a cost table records of its setup: the keys it is matched by, and where the models came from."""
+    from castspec import cost
+
+    meta = {"target": {**cost.setup_key(target), "source": target_source, "dtype_name": dtype},
+            "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": repeats, "command": command}
+    if draft is not None:
+        meta["draft"] = {**cost.setup_key(draft), "source": draft_source, "dtype_name": dtype}
+    return meta
 
 
 def _measure_table(target, timers: dict, batch_sizes: list[int], contexts: list[int], tokens: list[int], meta: dict):
