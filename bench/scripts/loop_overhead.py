@@ -1,27 +1,48 @@
-# Our engine's AR loop vs HF generate(do_sample=False) on the same prompts, interleaved; 128 new tokens, bf16.
-import statistics, time, torch, transformers
+"""Our engine's AR loop against HF generate(do_sample=False): same prompts (2 per set), 128 new tokens, bf16,
+interleaved per prompt. Prints tokens/s per prompt and the mean per-prompt ratio HF / ours.
+
+Run: .venv/bin/python bench/scripts/loop_overhead.py"""
+
+import statistics
+import time
+
+import torch
+import transformers
+
 from castspec.api import Engine
 from castspec.bench import encode_prompts
 from castspec.cli import _prompts
 from castspec.models import load_model
-model, tok = load_model("qwen2.5-coder-1.5b", "bf16")
-engine = Engine(model, tok, None, None)
+
+model, tokenizer = load_model("qwen2.5-coder-1.5b", "bf16")
+engine = Engine(model, tokenizer, None, None)
 prompts = _prompts("mtbench,humaneval,gsm8k", 2, 0)
-ids_all = encode_prompts(engine, prompts)
-cfg = transformers.GenerationConfig(max_new_tokens=128, do_sample=False, eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
-def hf(ids):
+encoded = encode_prompts(engine, prompts)
+config = transformers.GenerationConfig(max_new_tokens=128, do_sample=False,
+                                       eos_token_id=model.generation_config.eos_token_id,
+                                       pad_token_id=tokenizer.pad_token_id)
+
+
+def hf_greedy(ids: list[int]) -> list[int]:
     x = torch.tensor([ids])
     with torch.inference_mode():
-        return model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)[0, len(ids):].tolist()
-def ours(ids):
+        return model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)[0, len(ids):].tolist()
+
+
+def our_ar(ids: list[int]) -> list[int]:
     return engine.generate(prompt_ids=ids, max_new_tokens=128).output_ids
-for f in (hf, ours):
-    f(ids_all[0][:32])
+
+
+for warm in (hf_greedy, our_ar):
+    warm(encoded[0][:32])
 ratios = []
-for p, ids in zip(prompts, ids_all):
-    row = {}
-    for name, f in (("ours", ours), ("hf", hf)):
-        t = time.perf_counter(); out = f(ids); row[name] = (len(out) / (time.perf_counter() - t), out)
-    ratios.append(row["hf"][0] / row["ours"][0])
-    print(p["id"], f"ours {row['ours'][0]:.2f} tok/s, hf {row['hf'][0]:.2f} tok/s, same output {row['ours'][1] == row['hf'][1]}", flush=True)
+for prompt, ids in zip(prompts, encoded, strict=True):
+    rates, outputs = {}, {}
+    for name, run in (("ours", our_ar), ("hf", hf_greedy)):
+        start = time.perf_counter()
+        outputs[name] = run(ids)
+        rates[name] = len(outputs[name]) / (time.perf_counter() - start)
+    ratios.append(rates["hf"] / rates["ours"])
+    print(f"{prompt['id']}: ours {rates['ours']:.2f} tok/s, hf {rates['hf']:.2f} tok/s, ratio {ratios[-1]:.3f}, "
+          f"same output {outputs['ours'] == outputs['hf']}", flush=True)
 print(f"HF plain greedy / our AR, mean of per-prompt ratios: {statistics.fmean(ratios):.3f}")
