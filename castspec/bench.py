@@ -33,21 +33,47 @@ class MethodSpec:
     options: dict = field(default_factory=dict)
 
 
+HF_METHODS = ("hf-assisted", "hf-prompt-lookup")
+METHOD_OPTIONS = {"ar": (), "chain": ("chain_length",), "eagle2": ("top_k", "depth", "total_tokens"),
+                  "cast": ("auto", "calibrate", "cast_c1", "cast_c2", "cast_c3", "cast_r", "cast_max_depth",
+                           "cast_top_k")}
+DRAFTER_OPTIONS = {"ngram": ("max_n", "min_n")}  # method-item options that configure the drafter, not the policy
+ITEM_DRAFTERS = ("draft", "ngram", "head")
+
+
+def _parse_item(item: str) -> MethodSpec:
+    fields = item.split(":")
+    method, drafter, options = fields[0], None, {}
+    if method not in METHOD_OPTIONS and method not in HF_METHODS:
+        raise CastspecError(f"method item {item!r}: unknown method {method!r}; choose from "
+                            f"{', '.join([*METHOD_OPTIONS, *HF_METHODS])}")
+    for extra in fields[1:]:
+        if "=" not in extra:
+            if extra not in ITEM_DRAFTERS or drafter is not None:
+                raise CastspecError(f"method item {item!r}: {extra!r} is not a drafter "
+                                    f"({', '.join(ITEM_DRAFTERS)}), or a second one")
+            drafter = extra
+            continue
+        for pair in extra.split(","):
+            key, _, value = pair.partition("=")
+            allowed = METHOD_OPTIONS.get(method, ()) + DRAFTER_OPTIONS.get(drafter or "", ())
+            if key not in allowed:
+                raise CastspecError(f"method item {item!r}: {key!r} is not an option of {method}"
+                                    f"{' with the ' + drafter + ' drafter' if drafter else ''} "
+                                    f"(it has: {', '.join(allowed) or 'none'})")
+            try:
+                options[key] = float(value) if "." in value else int(value)
+            except ValueError as e:
+                raise CastspecError(f"method item {item!r}: {key} needs a number, got {value!r}") from e
+    if method in ("chain", "eagle2", "cast") and drafter is None:
+        raise CastspecError(f"method item {item!r}: {method} needs a drafter, e.g. {method}:ngram or {method}:draft")
+    return MethodSpec(item, method, drafter, options)
+
+
 def parse_methods(text: str) -> list[MethodSpec]:
-    """'ar;chain:draft:chain_length=4;eagle2:ngram;hf-assisted' -> specs. Label = the item's text."""
-    specs = []
-    for item in filter(None, (part.strip() for part in text.split(";"))):
-        fields = item.split(":")
-        method, drafter, options = fields[0], None, {}
-        for extra in fields[1:]:
-            if "=" in extra:
-                for pair in extra.split(","):
-                    key, value = pair.split("=")
-                    options[key] = float(value) if "." in value else int(value)
-            else:
-                drafter = extra
-        specs.append(MethodSpec(item, method, drafter, options))
-    return specs
+    """'ar;chain:draft:chain_length=4;eagle2:ngram;hf-assisted' -> specs. Label = the item's text. Unknown
+    methods, drafters and options are refused here, before any model loads."""
+    return [_parse_item(item) for item in filter(None, (part.strip() for part in text.split(";")))]
 
 
 def encode_prompts(engine: Engine, prompts: list[dict]) -> list[list[int]]:
@@ -56,9 +82,15 @@ def encode_prompts(engine: Engine, prompts: list[dict]) -> list[list[int]]:
             for p in prompts]
 
 
+def drafter_options(spec: MethodSpec) -> dict:
+    """The drafter's keyword arguments among a method item's options ('cast:ngram:min_n=1' -> {'min_n': 1})."""
+    return {k: v for k, v in spec.options.items() if k in DRAFTER_OPTIONS.get(spec.drafter or "", ())}
+
+
 def policy_options(spec: MethodSpec, costs=None) -> dict:
-    """make_policy's keyword arguments for a method item: its options, CAST's short ones spelled out."""
-    options = dict(spec.options)
+    """make_policy's keyword arguments for a method item: its options (the drafter's left out), CAST's short ones
+    spelled out."""
+    options = {k: v for k, v in spec.options.items() if k not in drafter_options(spec)}
     if spec.method == "cast":
         options["cost_table"] = costs
         options["cast_auto"] = bool(options.pop("auto", 1))
@@ -112,7 +144,8 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
             if spec.drafter == "head":
                 drafter = EagleHeadDrafter(head[0], target_model)
             else:
-                drafter = DraftModelDrafter(draft_model) if spec.drafter == "draft" else NgramDrafter()
+                drafter = (DraftModelDrafter(draft_model) if spec.drafter == "draft"
+                           else NgramDrafter(**drafter_options(spec)))
         runners[spec.label] = Engine(target_model, tokenizer, drafter, policy)
     return runners
 

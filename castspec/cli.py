@@ -94,7 +94,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head", help="EAGLE head for the methods whose drafter is 'head'")
     bench.add_argument("--methods", default=DEMO_METHODS,
                        help="';'-separated METHOD[:draft|ngram|head][:k=v,...] items, plus hf-assisted, "
-                            "hf-prompt-lookup")
+                            "hf-prompt-lookup; ngram items also take max_n and min_n (the n-gram sizes looked up)")
     bench.add_argument("--sets", default="mtbench,humaneval,gsm8k")
     bench.add_argument("--per-set", type=int, default=4, help="prompts taken from each set")
     bench.add_argument("--offset", type=int, default=0, help="skip this many prompts of each set (tuning splits)")

@@ -1,0 +1,39 @@
+"""Method items of `castspec bench`: parsing, the drafter/policy split of options, and clear refusals."""
+
+import pytest
+
+from castspec.bench import drafter_options, parse_methods, policy_options
+from castspec.errors import CastspecError
+
+
+def test_items_parse_into_method_drafter_and_options():
+    ar, chain, cast, lookup = parse_methods("ar; chain:draft:chain_length=3 ;cast:ngram:auto=0,cast_c1=2.5;"
+                                            "hf-prompt-lookup;")
+    assert (ar.method, ar.drafter, ar.options) == ("ar", None, {})
+    assert (chain.method, chain.drafter, chain.options) == ("chain", "draft", {"chain_length": 3})
+    assert cast.options == {"auto": 0, "cast_c1": 2.5} and cast.label == "cast:ngram:auto=0,cast_c1=2.5"
+    assert lookup.method == "hf-prompt-lookup"
+
+
+def test_ngram_sizes_go_to_the_drafter_and_the_rest_to_the_policy():
+    (spec,) = parse_methods("eagle2:ngram:top_k=4,min_n=1,max_n=3")
+    assert drafter_options(spec) == {"min_n": 1, "max_n": 3}
+    assert policy_options(spec) == {"top_k": 4}
+    (cast,) = parse_methods("cast:ngram:min_n=1,auto=0")
+    assert policy_options(cast, costs="table") == {"cost_table": "table", "cast_auto": False, "cast_calibrate": False}
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("eagle3:ngram", "unknown method 'eagle3'"),
+    ("eagle2:ngarm", "'ngarm' is not a drafter"),
+    ("eagle2:ngram:draft", "or a second one"),
+    ("chain:ngram:top_k=4", "'top_k' is not an option of chain with the ngram drafter"),
+    ("chain:draft:min_n=1", "'min_n' is not an option of chain with the draft drafter"),
+    ("eagle2:ngram:depth=five", "depth needs a number, got 'five'"),
+    ("cast", "cast needs a drafter"),
+    ("ar:chain_length=2", "(it has: none)"),
+])
+def test_bad_items_are_refused_with_the_reason(text, says):
+    with pytest.raises(CastspecError, match=None) as error:
+        parse_methods(text)
+    assert says in str(error.value)
