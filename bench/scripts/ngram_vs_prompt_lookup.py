@@ -1,12 +1,14 @@
 """Why does HF prompt lookup beat our n-gram methods? Replay both on the headline benchmark's own prompts.
 
 No model runs: the references are the AR outputs stored in the headline JSON, the prompts are re-encoded with the
-target's tokenizer, verify forwards are priced by the n-gram cost table (as `castspec tune` does). HF's proposer is
-re-implemented from its documented behaviour (transformers' PromptLookupCandidateGenerator): the last 2 tokens,
-else the last 1, are looked up in prompt + output; the earliest earlier occurrence wins and the (up to) 10 tokens
-that followed it are the chain. Ours: NgramDrafter(max_n, min_n) under chain / EAGLE-2 / CAST policies.
+target's tokenizer, verify forwards are priced by the n-gram cost table (as `castspec tune` does). HF's proposer
+is re-implemented from what transformers 5.24's PromptLookupCandidateGenerator does (read in the installed
+source): the last 2 tokens, else the last 1, are looked up in prompt + output; the earliest earlier occurrence wins
+and the (up to) 10 tokens that followed it are the chain. Ours: NgramDrafter(max_n, min_n) under chain /
+EAGLE-2 / CAST policies.
 
-Run: .venv/bin/python bench/scripts/ngram_vs_prompt_lookup.py [HEADLINE.json] > bench/ngram-vs-prompt-lookup.txt"""
+Run: .venv/bin/python bench/scripts/ngram_vs_prompt_lookup.py [HEADLINE.json] \
+    > bench/ngram-vs-prompt-lookup-qwen1.5b-bf16-avx512bf16.txt"""
 
 import json
 import statistics
@@ -32,7 +34,7 @@ tables = sorted((castspec_home() / "costs").glob("*ngram*avx512bf16.json"))
 if not tables:
     sys.exit("no n-gram cost table in $CASTSPEC_HOME/costs (copy bench/cost/qwen1.5b-ngram-bf16-b1-*.json there)")
 costs = CostTable.load(tables[-1])
-print(f"cost table: {tables[-1].name} ({costs.meta.get('device')})")
+print(f"cost table: {tables[-1].name} ({costs.meta['target']['device']})")
 
 references = {r["prompt_id"]: r["output_ids"] for r in headline["rows"] if r["method"] == "ar"}
 rows_by_id = {row["id"]: row for name in ("mtbench", "humaneval", "gsm8k") for row in load_prompt_set(name)}
@@ -86,6 +88,8 @@ for max_n, min_n in ((4, 2), (4, 1), (2, 1)):
     configs[f"eagle2:ngram:4/7/16 n={min_n}..{max_n}"] = ("eagle2", {"top_k": 4, "depth": 7, "total_tokens": 16},
                                                         max_n, min_n)
     configs[f"cast:ngram (auto) n={min_n}..{max_n}"] = ("cast", {"cast_auto": True}, max_n, min_n)
+    configs[f"cast:ngram (auto, calibrated) n={min_n}..{max_n}"] = ("cast", {"cast_auto": True,
+                                                                            "cast_calibrate": True}, max_n, min_n)
 
 per_task: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
 for prompt_id, reference in references.items():
@@ -98,13 +102,13 @@ for prompt_id, reference in references.items():
 
 print(f"{len(references)} prompts, {max_new} new tokens; predicted speed-up = priced AR time / (measured drafting "
       "+ priced verify), summed per task")
-print(f"{'task':10} {'method':44} {'speed-up':>8} {'tau':>6} {'proposing steps':>16} {'mean size':>9}")
+print(f"{'task':10} {'method':50} {'speed-up':>8} {'tau':>6} {'proposing steps':>16} {'mean size':>9}")
 for task in ("gsm8k", "humaneval", "mtbench", "all"):
     for label in configs:
         results = per_task[task][label]
         steps = sum(r["steps"] for r in results)
         sizes = [s for r in results for s in r["sizes"]]
-        print(f"{task:10} {label:44} {sum(r['ar_s'] for r in results) / sum(r['decode_s'] for r in results):8.2f}x"
+        print(f"{task:10} {label:50} {sum(r['ar_s'] for r in results) / sum(r['decode_s'] for r in results):8.2f}x"
               f" {statistics.fmean(a for r in results for a in r['accepted']):6.2f}"
               f" {sum(r['proposed'] for r in results) / steps:16.2f}"
               f" {statistics.fmean(sizes) if sizes else float('nan'):9.2f}")
