@@ -67,7 +67,13 @@ def _parse_item(item: str) -> MethodSpec:
                 raise CastspecError(f"method item {item!r}: {key} needs a number, got {value!r}") from e
     if method in ("chain", "eagle2", "cast") and drafter is None:
         raise CastspecError(f"method item {item!r}: {method} needs a drafter, e.g. {method}:ngram or {method}:draft")
-    return MethodSpec(item, method, drafter, options)
+    spec = MethodSpec(item, method, drafter, options)
+    if drafter == "ngram":
+        try:
+            NgramDrafter(**drafter_options(spec))
+        except CastspecError as e:
+            raise CastspecError(f"method item {item!r}: {e}") from e
+    return spec
 
 
 def parse_methods(text: str) -> list[MethodSpec]:

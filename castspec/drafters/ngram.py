@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 import torch
 
 from castspec.drafters.base import Candidates, Drafter
+from castspec.errors import CastspecError
 from castspec.tree import DraftTree
 
 
@@ -46,8 +47,8 @@ class NgramDrafter(Drafter):
     name = "ngram"
 
     def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
+            raise CastspecError(f"n-gram sizes need integers 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
         self.reset()
 
