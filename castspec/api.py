@@ -63,6 +63,27 @@ def find_cost_table(expect: dict, drafter: str) -> CostTable | None:
     return max(found, key=lambda t: (len(t.target.batch_sizes), max(t.target.batch_sizes)), default=None)
 
 
+def encode_text(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    """Token ids of a plain prompt, or of chat messages through the tokenizer's chat template (generation prompt
+    added), as the engine decodes them."""
+    if (prompt is None) == (messages is None):
+        raise CastspecError("give exactly one of a prompt or chat messages")
+    if messages is not None:
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise CastspecError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
+        if tokenizer.chat_template is None:
+            raise CastspecError("this model's tokenizer has no chat template: give a plain prompt")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    else:
+        if not isinstance(prompt, str) or not prompt:
+            raise CastspecError("the prompt is empty")
+        ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise CastspecError("the prompt encodes to no tokens")
+    return list(ids)
+
+
 @dataclass
 class Generation:
     text: str
@@ -149,22 +170,7 @@ class Engine:
         return cls(target_model, tokenizer, chosen, policy)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise CastspecError("give exactly one of a prompt or chat messages")
-        if messages is not None:
-            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-                raise CastspecError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
-            if self.tokenizer.chat_template is None:
-                raise CastspecError("this model's tokenizer has no chat template: give a plain prompt")
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            if not isinstance(prompt, str) or not prompt:
-                raise CastspecError("the prompt is empty")
-            ids = self.tokenizer(prompt)["input_ids"]
-        if not ids:
-            raise CastspecError("the prompt encodes to no tokens")
-        return list(ids)
+        return encode_text(self.tokenizer, prompt, messages)
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None, max_new_tokens: int = 128,
                  stop: list[str] | None = None, prompt_ids: list[int] | None = None, temperature: float = 0.0,

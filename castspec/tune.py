@@ -19,14 +19,22 @@ from pathlib import Path
 from tqdm import tqdm
 
 from castspec.api import Engine, make_policy
-from castspec.bench import MethodSpec, encode_prompts, markdown_table, parse_methods, policy_options, run_benchmark
+from castspec.bench import (
+    METHOD_OPTIONS,
+    MethodSpec,
+    encode_prompts,
+    markdown_table,
+    parse_methods,
+    policy_options,
+    run_benchmark,
+)
 from castspec.cost import CostTable
 from castspec.errors import CastspecError
 from castspec.replay import replay
 
 DEFAULT_GRIDS = {"eagle2": "top_k=2,4,8,10;depth=2,3,4,5,6,7;total_tokens=8,16,32,60",
                  "chain": "chain_length=1,2,3,4,5,6,8"}
-GRID_KEYS = {"eagle2": ("top_k", "depth", "total_tokens"), "chain": ("chain_length",)}
+GRID_KEYS = {method: METHOD_OPTIONS[method] for method in ("eagle2", "chain")}  # the fixed trees' options
 
 
 def parse_grid(method: str, text: str | None) -> list[dict]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from castspec.api import make_policy
+from castspec.api import encode_text, make_policy
 from castspec.cost import CostTable
 from castspec.drafters.ngram import NgramDrafter
 from castspec.models import castspec_home, converted_dir
@@ -38,13 +38,6 @@ print(f"cost table: {tables[-1].name} ({costs.meta['target']['device']})")
 
 references = {r["prompt_id"]: r["output_ids"] for r in headline["rows"] if r["method"] == "ar"}
 rows_by_id = {row["id"]: row for name in ("mtbench", "humaneval", "gsm8k") for row in load_prompt_set(name)}
-
-
-def encode(row: dict) -> list[int]:
-    if "messages" in row:
-        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return list(tokenizer(row["prompt"])["input_ids"])
 
 
 def hf_lookup(history: list[int], max_ngram: int = 2, num_tokens: int = 10) -> list[int]:
@@ -93,7 +86,8 @@ for max_n, min_n in ((4, 2), (4, 1), (2, 1)):
 
 per_task: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
 for prompt_id, reference in references.items():
-    prompt = encode(rows_by_id[prompt_id])
+    row = rows_by_id[prompt_id]
+    prompt = encode_text(tokenizer, row.get("prompt"), row.get("messages"))
     task = prompt_id.split("-")[0]
     for label, config in configs.items():
         result = replay_hf(prompt, reference) if config is None else replay_ours(prompt, reference, *config)
