@@ -253,8 +253,8 @@ def _cmd_train_head(args) -> None:
     for name in ("conversations", "max_length", "epochs", "batch_size", "save_every"):
         if getattr(cfg, name) <= 0:
             raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if cfg.lr <= 0 or cfg.noise < 0 or cfg.validation < 0:
-        raise CastspecError("--lr must be positive; --noise and --validation must not be negative")
+    if cfg.lr <= 0 or cfg.noise < 0 or cfg.validation < 0 or cfg.draft_vocab < 0:
+        raise CastspecError("--lr must be positive; --noise, --validation and --draft-vocab must not be negative")
     if args.data == "sharegpt":
         conversations = load_sharegpt(cfg.conversations)
     else:

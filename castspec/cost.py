@@ -287,7 +287,7 @@ def time_forward(model, batch_size: int, context: int, tokens: int, repeats: int
 def time_head(head, target_model, batch_size: int, context: int, tokens: int, repeats: int = 3,
               warmup: int = 1) -> float:
     """Median seconds of one EAGLE-head draft layer: `tokens` tree nodes per row after `context` cached pairs,
-    the target's lm_head included (the head's logits come from it)."""
+    the head's logits included (the target's lm_head, or its rows for the head's draft vocabulary)."""
     from castspec import kv
 
     param = next(head.parameters())
@@ -300,7 +300,7 @@ def time_head(head, target_model, batch_size: int, context: int, tokens: int, re
     for i in range(warmup + repeats):
         _sync(param.device)
         start = time.perf_counter()
-        lm_head(head(embed(ids), features, positions, mask, cache))
+        head.logits(head(embed(ids), features, positions, mask, cache), lm_head)
         _sync(param.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)

@@ -18,3 +18,4 @@ class TrainConfig:
     save_every: int = 50
     validation: int = 24  # sequences held out
     seed: int = 0
+    draft_vocab: int = 0  # draft among the N tokens most frequent in the data (0: the target's whole vocabulary)

@@ -17,6 +17,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -76,6 +77,15 @@ def cache_features(model, sequences: list[list[int]], directory: Path, shard_siz
     return shards
 
 
+def draft_vocabulary(sequences: list[list[int]], size: int) -> torch.Tensor:
+    """The `size` tokens most frequent in the training data (fewer if fewer occur), ties by id: as EAGLE-3, a
+    head that drafts only among them spends a fraction of the time in its lm_head and loses little, since
+    the rest are rare."""
+    counts = Counter(token for s in sequences for token in s)
+    ranked = sorted(counts, key=lambda token: (-counts[token], token))
+    return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
+
+
 def _load_shards(shards: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from safetensors.torch import load_file
 
@@ -109,7 +119,7 @@ def head_loss(head: EagleHead, embed, lm_head, batch, noise: float = 0.0, p_weig
     with torch.no_grad():
         emb = embed(tokens)
         target_probs = torch.softmax(lm_head(targets[valid]), dim=-1)
-    predicted = head(emb, inputs, positions, None)[valid]  # causal; right padding never reaches a valid token
+    predicted = head(emb, inputs, positions, None)[valid].float()  # causal: right padding never reaches valid
     v_loss = F.smooth_l1_loss(predicted, targets[valid])
     logp = torch.log_softmax(lm_head(predicted), dim=-1)
     p_loss = -(target_probs * logp).sum(-1).mean()
@@ -138,14 +148,22 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         raise CastspecError("no training sequences left after the validation split: use more --conversations")
     torch.manual_seed(cfg.seed)
     head = EagleHead(head_config(model))
+    if cfg.draft_vocab:
+        head.restrict_vocabulary(draft_vocabulary(sequences, cfg.draft_vocab))
+    # a bf16 target trains its head under bf16 autocast (fp32 master weights): the lm_head over the whole vocabulary
+    # is most of a step's work, and on a CPU with bf16 units it runs ~4x faster than in fp32
+    low_precision = next(model.parameters()).dtype == torch.bfloat16
     embed_weight = model.get_input_embeddings().weight.detach().float()  # copies: the target stays as it is
-    lm_head_weight = model.get_output_embeddings().weight.detach().float()
+    lm_head_weight = model.get_output_embeddings().weight.detach()
+    lm_head_weight = lm_head_weight if low_precision else lm_head_weight.float()
+    if head.draft_ids is not None:  # the loss sees what drafting will: the target's distribution within the vocabulary
+        lm_head_weight = lm_head_weight[head.draft_ids]
 
     def embed(tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, embed_weight)
 
     def lm_head(hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, lm_head_weight)
+        return F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight).float()
     optimiser = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     per_epoch = math.ceil(len(train_items) / cfg.batch_size)
     total = per_epoch * cfg.epochs
@@ -180,8 +198,9 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         epoch_order = list(range(len(train_items)))
         random.Random(cfg.seed + epoch).shuffle(epoch_order)  # the same order again after a resume
         chosen = epoch_order[index * cfg.batch_size: (index + 1) * cfg.batch_size]
-        loss, stats = head_loss(head, embed, lm_head, _batch([train_items[i] for i in chosen]), cfg.noise,
-                                cfg.p_weight)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
+            loss, stats = head_loss(head, embed, lm_head, _batch([train_items[i] for i in chosen]), cfg.noise,
+                                    cfg.p_weight)
         optimiser.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -201,7 +220,7 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
                     "resume": "run the same command with --resume"}
     bar.close()
     head.eval()
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
         _, val = head_loss(head, embed, lm_head, _batch(held_out), 0.0, cfg.p_weight) if held_out else (None, {})
     result = {"steps": step, "train_s": round(time.perf_counter() - start, 1), "validation": val,
               "sequences": len(train_items), "tokens": sum(len(ids) for ids, _ in train_items)}

@@ -290,3 +290,39 @@ def test_trained_head_drafts_from_exactly_aligned_features(smollm, smollm_refere
             agree += int(guesses[pairs - 1]) == token
     assert accepted_paths >= 3  # steps that accepted drafted tokens: their features were appended too
     assert agree >= 0.95 * total, f"{agree}/{total} root guesses equal the teacher-forced head"
+
+
+def test_head_with_a_draft_vocabulary_saves_loads_and_stays_lossless(smollm, smollm_reference, random_head,
+                                                                      tmp_path):
+    """A head restricted to a draft vocabulary (as `train-head --draft-vocab` makes) is written with EAGLE-3's d2t,
+    loads back with the same vocabulary, scores only those tokens (the target lm_head's rows), and decodes exactly
+    HF greedy's output even though the target's own choices may lie outside it."""
+    import copy
+
+    model, tokenizer = smollm
+    torch.manual_seed(2)
+    chosen = torch.randperm(model.config.vocab_size)[:3000].sort().values
+    head = copy.deepcopy(random_head)
+    head.restrict_vocabulary(chosen)
+    save_eagle_head(head, tmp_path / "head")
+    loaded = load_eagle_head(str(tmp_path / "head"), model)
+    assert torch.equal(loaded.draft_ids, chosen)
+    hidden = torch.randn(1, 3, model.config.hidden_size)
+    with torch.inference_mode():
+        logits = loaded.logits(hidden, model.get_output_embeddings())
+        full = model.get_output_embeddings()(hidden)
+    assert torch.allclose(logits[..., chosen], full[..., chosen], atol=1e-5)
+    assert torch.isinf(logits).sum() == 3 * (model.config.vocab_size - 3000)
+
+    for policy in (Eagle2Policy(4, 4, 16), CastPolicy(flat_costs(), 4.0, 3.0, 2.5, 8, 6, 8, auto=False)):
+        engine = Engine(model, tokenizer, EagleHeadDrafter(loaded, model), policy)
+        ids = [engine.encode(prompt=p) for p in PROMPTS]
+        for got, prompt_ids in zip(engine.generate_batch(prompt_ids=ids, max_new_tokens=20), ids, strict=True):
+            assert got.output_ids == smollm_reference(tuple(prompt_ids), 20), policy.name
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "head" / "model.safetensors"))
+    save_file(dict(state, d2t=state["d2t"] + 10 ** 6), str(tmp_path / "head" / "model.safetensors"))
+    with pytest.raises(CastspecError, match="another tokenizer"):
+        load_eagle_head(str(tmp_path / "head"), model)

@@ -54,3 +54,17 @@ def test_loss_falls_and_resume_is_exact(smollm, conversations, tmp_path):
     a, b = load_eagle_head(str(tmp_path / "whole"), model), load_eagle_head(str(tmp_path / "parts"), model)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x, y), name
+
+
+def test_bf16_target_trains_under_autocast(conversations, tmp_path):
+    """A bf16 target: features and the loss run in bf16 (autocast), the head's weights stay fp32 and it learns."""
+    from castspec.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m", "bf16")
+    result = train(model, tokenizer, conversations, tmp_path / "head", tmp_path / "features", TINY)
+    history = json.loads((tmp_path / "head" / "training.json").read_text())["history"]
+    assert result["steps"] == 6 and history[-1]["loss"] < history[0]["loss"]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    state = torch.load(tmp_path / "head" / "checkpoint.pt", weights_only=False)["head"]
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    assert load_eagle_head(str(tmp_path / "head"), model).fc.weight.dtype == torch.bfloat16  # runs as the target
