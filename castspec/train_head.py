@@ -172,7 +172,8 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     step, history = 0, []
     if resume:
         state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        if state["config"] != asdict(cfg):
+        saved = {**asdict(TrainConfig()), **state["config"]}  # settings added since take their defaults
+        if saved != asdict(cfg):
             raise CastspecError(f"--resume with different settings than {checkpoint} was made with: "
                                 f"{state['config']} vs {asdict(cfg)}")
         head.load_state_dict(state["head"])

@@ -88,9 +88,8 @@ class EagleHead(nn.Module):
             return target_lm_head(hidden)
         if self._draft_weight is None or self._draft_weight.dtype != hidden.dtype:
             self._draft_weight = target_lm_head.weight.detach()[ids].to(hidden.dtype)
-        full = hidden.new_full((*hidden.shape[:-1], target_lm_head.weight.shape[0]), float("-inf"))
-        full[..., ids] = torch.nn.functional.linear(hidden, self._draft_weight)
-        return full
+        return _in_target_vocabulary(torch.nn.functional.linear(hidden, self._draft_weight), ids,
+                                     target_lm_head.weight.shape[0])
 
 
 class Eagle3Head(nn.Module):
@@ -137,9 +136,15 @@ class Eagle3Head(nn.Module):
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Target-vocabulary logits: tokens outside the draft vocabulary get -inf (probability 0)."""
         draft = self.lm_head(self.norm(hidden))
-        full = draft.new_full((*draft.shape[:-1], self.t2d.shape[0]), float("-inf"))
-        full[..., torch.arange(draft.shape[-1], device=draft.device) + self.d2t] = draft
-        return full
+        return _in_target_vocabulary(draft, torch.arange(draft.shape[-1], device=draft.device) + self.d2t,
+                                     self.t2d.shape[0])
+
+
+def _in_target_vocabulary(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary placed at their target ids; every other token gets -inf (probability 0)."""
+    full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., target_ids] = draft_logits
+    return full
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
