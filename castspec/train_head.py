@@ -151,7 +151,7 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     if cfg.draft_vocab:
         head.restrict_vocabulary(draft_vocabulary(sequences, cfg.draft_vocab))
     # a bf16 target trains its head under bf16 autocast (fp32 master weights): the lm_head over the whole vocabulary
-    # is most of a step's work, and on a CPU with bf16 units it runs ~4x faster than in fp32
+    # is most of a step's work, and on a CPU with bf16 units bf16 matmuls are several times faster than fp32
     low_precision = next(model.parameters()).dtype == torch.bfloat16
     embed_weight = model.get_input_embeddings().weight.detach().float()  # copies: the target stays as it is
     lm_head_weight = model.get_output_embeddings().weight.detach()
