@@ -172,6 +172,19 @@ def _build_parser() -> argparse.ArgumentParser:
         train.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
                            help=f"(default {field.default})")
 
+    regen = sub.add_parser("regenerate", help="answer ShareGPT's first turns with the target (training data for "
+                                              "train-head --data; run again to continue)")
+    regen.add_argument("--target", required=True, help="registry name, local HF directory or hub id")
+    regen.add_argument("--data", default="sharegpt",
+                       help="'sharegpt' (the pinned ShareGPT wheel) or a JSONL file of {\"messages\": [...]}")
+    regen.add_argument("--out", required=True, help="JSONL file the answers are appended to")
+    regen.add_argument("--conversations", type=int, default=600, help="conversations to read (default 600)")
+    regen.add_argument("--max-new-tokens", type=int, default=192)
+    regen.add_argument("--max-prompt-tokens", type=int, default=128, help="skip longer first turns (default 128)")
+    regen.add_argument("--batch-size", type=int, default=32)
+    regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    regen.add_argument("--dtype", default="bf16")
+
     demo = sub.add_parser("demo", help="fetch the default models and compare AR with speculative decoding")
     demo.add_argument("--model", default=DEFAULT_TARGET)
     demo.add_argument("--draft", default=DEFAULT_DRAFT)
@@ -245,7 +258,6 @@ def _cmd_generate(args) -> None:
 
 def _cmd_train_head(args) -> None:
     from castspec.models import castspec_home, load_model
-    from castspec.prompts import load_sharegpt, read_prompts_file
     from castspec.train_config import TrainConfig
     from castspec.train_head import train
 
@@ -255,13 +267,7 @@ def _cmd_train_head(args) -> None:
             raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     if cfg.lr <= 0 or cfg.noise < 0 or cfg.validation < 0 or cfg.draft_vocab < 0:
         raise CastspecError("--lr must be positive; --noise, --validation and --draft-vocab must not be negative")
-    if args.data == "sharegpt":
-        conversations = load_sharegpt(cfg.conversations)
-    else:
-        rows = read_prompts_file(args.data)
-        if any("messages" not in r for r in rows):
-            raise CastspecError(f"{args.data}: every line needs 'messages' (whole conversations, responses included)")
-        conversations = [r["messages"] for r in rows][: cfg.conversations]
+    conversations = _conversations(args.data, cfg.conversations)
     model, tokenizer = load_model(args.target, args.dtype)
     data_name = "sharegpt" if args.data == "sharegpt" else Path(args.data).stem
     feature_dir = Path(args.feature_dir) if args.feature_dir else (
@@ -273,6 +279,34 @@ def _cmd_train_head(args) -> None:
                    max_minutes=args.max_minutes)
     print(json.dumps(result, indent=1))
     print(f"head: {args.out} (use it with --head {args.out})")
+
+
+def _conversations(data: str, limit: int) -> list[list[dict]]:
+    from castspec.prompts import load_sharegpt, read_prompts_file
+
+    if data == "sharegpt":
+        return load_sharegpt(limit)
+    rows = read_prompts_file(data)
+    if any("messages" not in r for r in rows):
+        raise CastspecError(f"{data}: every line needs 'messages' (whole conversations, responses included)")
+    return [r["messages"] for r in rows][:limit]
+
+
+def _cmd_regenerate(args) -> None:
+    from castspec.models import load_model
+    from castspec.regenerate import regenerate
+
+    for name in ("conversations", "max_new_tokens", "max_prompt_tokens", "batch_size"):
+        if getattr(args, name) <= 0:
+            raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.temperature < 0:
+        raise CastspecError("--temperature must not be negative")
+    conversations = _conversations(args.data, args.conversations)
+    model, tokenizer = load_model(args.target, args.dtype)
+    result = regenerate(model, tokenizer, conversations, Path(args.out), args.max_new_tokens,
+                        args.max_prompt_tokens, args.batch_size, args.temperature)
+    print(json.dumps(result, indent=1))
+    print(f"train a head on it with: castspec train-head --target {args.target} --data {args.out} ...")
 
 
 def _cmd_tune(args) -> None:
@@ -589,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "bench": _cmd_bench, "demo": _cmd_demo,
                     "bench-combine": _cmd_bench_combine,
-                    "train-head": _cmd_train_head, "tune": _cmd_tune,
+                    "train-head": _cmd_train_head, "tune": _cmd_tune, "regenerate": _cmd_regenerate,
                     "profile": _cmd_profile}
         commands[args.command](args)
     except CastspecError as e:

@@ -287,7 +287,8 @@ def time_forward(model, batch_size: int, context: int, tokens: int, repeats: int
 def time_head(head, target_model, batch_size: int, context: int, tokens: int, repeats: int = 3,
               warmup: int = 1) -> float:
     """Median seconds of one EAGLE-head draft layer: `tokens` tree nodes per row after `context` cached pairs,
-    the head's logits included (the target's lm_head, or its rows for the head's draft vocabulary)."""
+    the head's logits included as drafting computes them (the target's lm_head, or its rows for the head's draft
+    vocabulary)."""
     from castspec import kv
 
     param = next(head.parameters())
@@ -300,7 +301,7 @@ def time_head(head, target_model, batch_size: int, context: int, tokens: int, re
     for i in range(warmup + repeats):
         _sync(param.device)
         start = time.perf_counter()
-        head.logits(head(embed(ids), features, positions, mask, cache), lm_head)
+        head.draft_logits(head(embed(ids), features, positions, mask, cache), lm_head)
         _sync(param.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)

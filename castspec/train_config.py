@@ -19,3 +19,4 @@ class TrainConfig:
     validation: int = 24  # sequences held out
     seed: int = 0
     draft_vocab: int = 0  # draft among the N tokens most frequent in the data (0: the target's whole vocabulary)
+    init: str = ""  # start from this EAGLE-1/2 head (its weights and draft vocabulary), e.g. to fine-tune it

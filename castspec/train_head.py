@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from castspec.drafters.eagle_head import EagleHead, head_config, save_eagle_head
+from castspec.drafters.eagle_head import EagleHead, head_config, load_eagle_head, save_eagle_head
 from castspec.errors import CastspecError
 from castspec.train_config import TrainConfig
 
@@ -84,6 +84,17 @@ def draft_vocabulary(sequences: list[list[int]], size: int) -> torch.Tensor:
     counts = Counter(token for s in sequences for token in s)
     ranked = sorted(counts, key=lambda token: (-counts[token], token))
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
+
+
+def _starting_head(cfg: TrainConfig, model) -> EagleHead:
+    """The head `--init` names, in fp32 (the master weights), with its draft vocabulary."""
+    if cfg.draft_vocab:
+        raise CastspecError("--init keeps the starting head's draft vocabulary: leave out --draft-vocab")
+    head = load_eagle_head(cfg.init, model, dtype=torch.float32)
+    if not isinstance(head, EagleHead):
+        raise CastspecError(f"--init {cfg.init}: train-head trains EAGLE-1/2 heads; this one is an EAGLE-3 head")
+    head.embed_tokens = None  # training feeds the target's embeddings, as drafting does for heads trained here
+    return head.train()
 
 
 def _load_shards(shards: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -147,9 +158,12 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     if not train_items:
         raise CastspecError("no training sequences left after the validation split: use more --conversations")
     torch.manual_seed(cfg.seed)
-    head = EagleHead(head_config(model))
-    if cfg.draft_vocab:
-        head.restrict_vocabulary(draft_vocabulary(sequences, cfg.draft_vocab))
+    if cfg.init:
+        head = _starting_head(cfg, model)
+    else:
+        head = EagleHead(head_config(model))
+        if cfg.draft_vocab:
+            head.restrict_vocabulary(draft_vocabulary(sequences, cfg.draft_vocab))
     # a bf16 target trains its head under bf16 autocast (fp32 master weights): the lm_head over the whole vocabulary
     # is most of a step's work, and on a CPU with bf16 units bf16 matmuls are several times faster than fp32
     low_precision = next(model.parameters()).dtype == torch.bfloat16

@@ -313,6 +313,14 @@ def test_head_with_a_draft_vocabulary_saves_loads_and_stays_lossless(smollm, smo
         full = model.get_output_embeddings()(hidden)
     assert torch.allclose(logits[..., chosen], full[..., chosen], atol=1e-5)
     assert torch.isinf(logits).sum() == 3 * (model.config.vocab_size - 3000)
+    # drafting ranks within the draft vocabulary: the same candidates as the top-k of the whole-vocabulary logits
+    drafter = EagleHeadDrafter(loaded, model)
+    with torch.inference_mode():
+        drafter.draft_ids = loaded.draft_logits(hidden, model.get_output_embeddings())[1]
+        cands = drafter._candidates(loaded.draft_logits(hidden, model.get_output_embeddings())[0], 5)
+    expected = torch.softmax(logits, -1).topk(5)
+    assert torch.equal(cands.tokens, expected.indices)
+    assert torch.allclose(cands.probs, expected.values, atol=1e-6)
 
     for policy in (Eagle2Policy(4, 4, 16), CastPolicy(flat_costs(), 4.0, 3.0, 2.5, 8, 6, 8, auto=False)):
         engine = Engine(model, tokenizer, EagleHeadDrafter(loaded, model), policy)

@@ -68,3 +68,21 @@ def test_bf16_target_trains_under_autocast(conversations, tmp_path):
     state = torch.load(tmp_path / "head" / "checkpoint.pt", weights_only=False)["head"]
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
     assert load_eagle_head(str(tmp_path / "head"), model).fc.weight.dtype == torch.bfloat16  # runs as the target
+
+
+def test_init_starts_from_a_trained_head(smollm, conversations, tmp_path):
+    """--init: a run starts from an existing head's weights (in fp32) and draft vocabulary, so its first loss is
+    the trained head's, not a fresh one's; a draft vocabulary cannot be chosen again."""
+    model, tokenizer = smollm
+    features = tmp_path / "features"
+    small_vocab = dataclasses.replace(TINY, draft_vocab=50)  # of the ~90 distinct tokens in the data
+    train(model, tokenizer, conversations, tmp_path / "first", features, small_vocab)
+    first = json.loads((tmp_path / "first" / "training.json").read_text())["history"]
+    tuned = dataclasses.replace(TINY, epochs=1, init=str(tmp_path / "first"))
+    train(model, tokenizer, conversations, tmp_path / "tuned", features, tuned)
+    history = json.loads((tmp_path / "tuned" / "training.json").read_text())["history"]
+    assert history[0]["loss"] < first[0]["loss"]
+    start, end = load_eagle_head(str(tmp_path / "first"), model), load_eagle_head(str(tmp_path / "tuned"), model)
+    assert torch.equal(start.draft_ids, end.draft_ids) and len(end.draft_ids) == 50
+    with pytest.raises(CastspecError, match="draft vocabulary"):
+        train(model, tokenizer, conversations, tmp_path / "again", features, dataclasses.replace(tuned, draft_vocab=9))

@@ -25,6 +25,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from castspec import kv
+from castspec.drafters.base import Candidates, top_candidates
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.errors import CastspecError
 
@@ -57,7 +58,7 @@ class EagleHead(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary = LlamaRotaryEmbedding(config)
         self.register_buffer("d2t", None)  # None: the target's whole vocabulary
-        self._draft_weight: torch.Tensor | None = None
+        self._draft_weight: tuple[tuple, torch.Tensor] | None = None  # ((lm_head, dtype) it was made for, rows)
 
     def restrict_vocabulary(self, token_ids: torch.Tensor) -> None:
         """Draft only among `token_ids` (target ids): the head's logits are the target lm_head's rows for those
@@ -70,7 +71,8 @@ class EagleHead(nn.Module):
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
-        return None if self.d2t is None else torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        """The target ids of the draft vocabulary (None: the whole vocabulary)."""
+        return _target_ids(self)
 
     def forward(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None, cache=None) -> torch.Tensor:
@@ -82,14 +84,21 @@ class EagleHead(nn.Module):
                            use_cache=cache is not None, position_embeddings=rope)
         return hidden
 
-    def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits over the draft vocabulary, its target ids), or (logits over the target's, None): what
+        drafting needs, since a top-k never leaves the draft vocabulary and placing 16 k logits among 152 k
+        costs more than computing them."""
         ids = self.draft_ids
         if ids is None:
-            return target_lm_head(hidden)
-        if self._draft_weight is None or self._draft_weight.dtype != hidden.dtype:
-            self._draft_weight = target_lm_head.weight.detach()[ids].to(hidden.dtype)
-        return _in_target_vocabulary(torch.nn.functional.linear(hidden, self._draft_weight), ids,
-                                     target_lm_head.weight.shape[0])
+            return target_lm_head(hidden), None
+        made_for = (target_lm_head.weight, hidden.dtype)
+        if self._draft_weight is None or any(a is not b for a, b in zip(self._draft_weight[0], made_for, strict=True)):
+            self._draft_weight = (made_for, target_lm_head.weight.detach()[ids].to(hidden.dtype))
+        return torch.nn.functional.linear(hidden, self._draft_weight[1]), ids
+
+    def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """Target-vocabulary logits: tokens outside the draft vocabulary get -inf (probability 0)."""
+        return in_target_vocabulary(*self.draft_logits(hidden, target_lm_head), target_lm_head.weight.shape[0])
 
 
 class Eagle3Head(nn.Module):
@@ -133,15 +142,28 @@ class Eagle3Head(nn.Module):
         hidden = hidden + attended
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
+    def draft_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits over the draft vocabulary, its target ids)."""
+        return self.lm_head(self.norm(hidden)), _target_ids(self)
+
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Target-vocabulary logits: tokens outside the draft vocabulary get -inf (probability 0)."""
-        draft = self.lm_head(self.norm(hidden))
-        return _in_target_vocabulary(draft, torch.arange(draft.shape[-1], device=draft.device) + self.d2t,
-                                     self.t2d.shape[0])
+        return in_target_vocabulary(*self.draft_logits(hidden, target_lm_head), self.t2d.shape[0])
 
 
-def _in_target_vocabulary(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Logits over a draft vocabulary placed at their target ids; every other token gets -inf (probability 0)."""
+def _target_ids(head: EagleHead | Eagle3Head) -> torch.Tensor | None:
+    """The target ids of a head's draft vocabulary (target id = draft id + d2t[draft id]); made per call, since
+    it costs microseconds and `d2t` may be replaced or loaded into at any time."""
+    d2t = head.d2t
+    return None if d2t is None else torch.arange(len(d2t), device=d2t.device) + d2t
+
+
+def in_target_vocabulary(draft_logits: torch.Tensor, target_ids: torch.Tensor | None, vocab_size: int
+                         ) -> torch.Tensor:
+    """Logits over a draft vocabulary placed at their target ids; every other token gets -inf (probability 0).
+    `target_ids` None: the logits already cover the target's vocabulary."""
+    if target_ids is None:
+        return draft_logits
     full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
     full[..., target_ids] = draft_logits
     return full
@@ -173,9 +195,9 @@ def _locate(source: str) -> Path:
         raise CastspecError(f"could not fetch the EAGLE head {source!r} from the hub: {e}") from e
 
 
-def load_eagle_head(source: str, target_model) -> EagleHead | Eagle3Head:
+def load_eagle_head(source: str, target_model, dtype: torch.dtype | None = None) -> EagleHead | Eagle3Head:
     """An EAGLE-1/2 or EAGLE-3 head from a local directory or a hub id, checked against the target it will
-    draft for."""
+    draft for, in `dtype` (default: the target's)."""
     directory = _locate(source)
     if not (directory / "config.json").is_file():
         raise CastspecError(f"{directory} has no config.json: not an EAGLE head checkpoint")
@@ -194,7 +216,7 @@ def load_eagle_head(source: str, target_model) -> EagleHead | Eagle3Head:
     else:
         head = _eagle1(source, config, weights, target_hidden, target_vocab)
     param = next(target_model.parameters())
-    return head.to(device=param.device, dtype=param.dtype).eval()
+    return head.to(device=param.device, dtype=dtype or param.dtype).eval()
 
 
 def _eagle1(source: str, config: LlamaConfig, weights: dict, target_hidden: int, target_vocab: int) -> EagleHead:
@@ -285,6 +307,7 @@ class EagleHeadDrafter(DraftModelDrafter):
         self.head, self.feature_layers = head, head.feature_layers
         self.embed = head.embed_tokens or target_model.get_input_embeddings()
         self.lm_head = target_model.get_output_embeddings()
+        self.draft_ids: torch.Tensor | None = None  # of the latest forward's logits (None: the whole vocabulary)
         super().__init__(head)
 
     def reset(self, batch_size: int = 1) -> None:
@@ -300,10 +323,21 @@ class EagleHeadDrafter(DraftModelDrafter):
 
     @torch.inference_mode()
     def _run(self, tokens, positions, mask, features, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits over the head's draft vocabulary (`_candidates` maps them to target ids)."""
         hidden = self.head(self.embed(tokens), features, positions, mask, self.cache)
         if last_only:
             hidden = hidden[:, -1:]
-        return self.head.logits(hidden, self.lm_head), hidden
+        logits, self.draft_ids = self.head.draft_logits(hidden, self.lm_head)
+        return logits, hidden
+
+    def _candidates(self, logits: torch.Tensor, top_k: int) -> Candidates:
+        if self.draft_ids is None:
+            return super()._candidates(logits, top_k)
+        if self.sampling is not None:  # verification needs the proposal over the target's whole vocabulary
+            return super()._candidates(in_target_vocabulary(logits, self.draft_ids, self.lm_head.weight.shape[0]),
+                                       top_k)
+        top = top_candidates(logits, top_k)  # the softmax over the draft vocabulary: tokens outside have p = 0
+        return Candidates(self.draft_ids[top.tokens], top.probs)
 
     def _remember(self, row: int, node: int, hidden: torch.Tensor) -> None:
         self.node_features[row][node] = hidden
