@@ -63,6 +63,13 @@ def find_cost_table(expect: dict, drafter: str) -> CostTable | None:
     return max(found, key=lambda t: (len(t.target.batch_sizes), max(t.target.batch_sizes)), default=None)
 
 
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """Every token that ends a generation: the model's generation config's and the tokenizer's end-of-sequence."""
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return {int(e) for e in eos} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
 def encode_text(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
     """Token ids of a plain prompt, or of chat messages through the tokenizer's chat template (generation prompt
     added), as the engine decodes them."""
@@ -129,10 +136,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.target = Target(model)
         self.drafter, self.policy = drafter, policy
-        eos = model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        self.eos_ids = {int(e) for e in eos} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None
-                                                else set())
+        self.eos_ids = stop_token_ids(model, tokenizer)
 
     @classmethod
     def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from castspec.api import stop_token_ids
 from castspec.errors import CastspecError
 
 
@@ -50,9 +51,7 @@ def regenerate(model, tokenizer, conversations: list[list[dict]], out: Path, max
     done = _done_ids(out)
     todo = sorted((p for p in prompts if p[0] not in done), key=lambda p: (len(p[1]), p[0]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stops = model.generation_config.eos_token_id
-    stops = set(stops if isinstance(stops, list) else [stops] if stops is not None else [])
-    stops |= {tokenizer.eos_token_id} - {None}
+    stops = stop_token_ids(model, tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerate answers", unit="conv")
     generated, start = 0, time.perf_counter()
