@@ -166,11 +166,11 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--feature-dir", help="where target features are cached (default under $CASTSPEC_HOME)")
     train.add_argument("--max-minutes", type=float, help="stop (after a checkpoint) once this much time has "
                                                          "passed; continue later with --resume")
-    from castspec.train_config import TrainConfig
+    from castspec.train_config import LOSS_ON, TrainConfig
 
     for field in dataclasses.fields(TrainConfig):
         train.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
-                           help=f"(default {field.default})")
+                           choices=LOSS_ON if field.name == "loss_on" else None, help=f"(default {field.default})")
 
     regen = sub.add_parser("regenerate", help="answer ShareGPT's first turns with the target (training data for "
                                               "train-head --data; run again to continue)")
@@ -271,8 +271,7 @@ def _cmd_train_head(args) -> None:
     model, tokenizer = load_model(args.target, args.dtype)
     data_name = "sharegpt" if args.data == "sharegpt" else Path(args.data).stem
     feature_dir = Path(args.feature_dir) if args.feature_dir else (
-        castspec_home() / "features" / f"{Path(args.target).name}-{args.dtype}-{data_name}-{len(conversations)}"
-                                       f"x{cfg.max_length}")
+        castspec_home() / "features" / f"{Path(args.target).name}-{args.dtype}-{data_name}-x{cfg.max_length}")
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = train(model, tokenizer, conversations, Path(args.out), feature_dir, cfg, resume=args.resume,
                    meta={"target": args.target, "data": args.data, "command": command},

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LOSS_ON = ("responses", "all")
+
 
 @dataclass
 class TrainConfig:
@@ -20,3 +22,4 @@ class TrainConfig:
     seed: int = 0
     draft_vocab: int = 0  # draft among the N tokens most frequent in the data (0: the target's whole vocabulary)
     init: str = ""  # start from this EAGLE-1/2 head (its weights and draft vocabulary), e.g. to fine-tune it
+    loss_on: str = "responses"  # which predictions count: of assistant tokens only (EAGLE's loss mask) or of all

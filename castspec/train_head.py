@@ -3,6 +3,9 @@
 1. Conversations (ShareGPT, or a JSONL file) are rendered with the target's chat template and cut to
    `max_length` tokens; the responses are the data's own, or the target's when the file comes from
    `castspec regenerate`. `--init` starts from an existing head (fine-tuning) instead of a fresh one.
+   With `--loss-on responses` (the default, as EAGLE's loss mask) only predictions of assistant tokens count:
+   drafting only ever predicts responses, and prompts (user text, system prompts) would spend the head's small
+   capacity on text it never drafts. The prompt tokens still feed the head as context.
 2. The target runs once over every sequence; its last-layer features (after the final norm) are cached to disk
    in shards, so a second run (or `--resume`) skips what is done.
 3. The head learns h_t = head(embed(x_{t+1}), f_t) ~ f_{t+1} with EAGLE's loss: smooth-L1 on the feature plus
@@ -20,6 +23,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,33 +31,62 @@ from tqdm import tqdm
 
 from castspec.drafters.eagle_head import EagleHead, head_config, load_eagle_head, save_eagle_head
 from castspec.errors import CastspecError
-from castspec.train_config import TrainConfig
+from castspec.train_config import LOSS_ON, TrainConfig
 
 
-def training_sequences(tokenizer, conversations: list[list[dict]], max_length: int) -> list[list[int]]:
+class TrainingSequence(NamedTuple):
+    ids: list[int]
+    response: list[bool]  # per token: part of an assistant turn (what drafting predicts)
+
+
+def training_sequences(tokenizer, conversations: list[list[dict]], max_length: int) -> list[TrainingSequence]:
     out = []
     for turns in conversations:
         try:
-            ids = tokenizer.apply_chat_template(turns, tokenize=True)
+            ids = _template(tokenizer, turns)
+            response = [False] * len(ids)
+            for start, end in _assistant_spans(tokenizer, turns, ids):
+                response[start:end] = [True] * (end - start)
         except Exception:  # noqa: BLE001 - a template that rejects a conversation's turn order: skip it
             continue
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:max_length]
         if len(ids) >= 16:
-            out.append(ids)
+            out.append(TrainingSequence(ids[:max_length], response[:max_length]))
     if not out:
         raise CastspecError("no usable training sequences (each needs at least 16 tokens)")
     return out
 
 
+def _template(tokenizer, turns: list[dict], generation_prompt: bool = False) -> list[int]:
+    ids = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _assistant_spans(tokenizer, turns: list[dict], ids: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each assistant turn's tokens in `ids` (its end-of-turn tokens included): where the
+    conversation so far plus the generation prompt ends, up to where the conversation through that turn ends.
+    A template whose renderings are not prefixes of each other (some rewrite earlier turns) gives the whole
+    sequence: every token then counts, as with --loss-on all."""
+    spans = []
+    for i, turn in enumerate(turns):
+        if turn.get("role") != "assistant":
+            continue
+        before, through = _template(tokenizer, turns[:i], True) if i else [], _template(tokenizer, turns[: i + 1])
+        if ids[: len(before)] != before or ids[: len(through)] != through:
+            return [(0, len(ids))]
+        spans.append((len(before), len(through)))
+    return spans
+
+
 @torch.inference_mode()
 def cache_features(model, sequences: list[list[int]], directory: Path, shard_size: int = 16) -> list[Path]:
     """The target's last-layer features of every sequence, in shards of `shard_size` sequences (bf16 on
-    disk). Shards already there are kept (the sequences are fixed by the data, the count and max_length)."""
+    disk). A shard already there is kept when it holds exactly its sequences, so data that grew at its end (a
+    `regenerate` run continued) only costs its new sequences; other shards are computed again."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     shards = [directory / f"shard-{i:05d}.safetensors" for i in range(math.ceil(len(sequences) / shard_size))]
-    todo = [i for i, s in enumerate(shards) if not s.is_file()]
+    todo = [i for i, s in enumerate(shards) if not _holds(s, sequences[i * shard_size: (i + 1) * shard_size])]
     if todo:
         bar = tqdm(total=sum(len(s) for s in sequences), desc="target features", unit="tok")
         bar.update(sum(len(s) for i in range(len(shards)) if i not in todo
@@ -77,11 +110,26 @@ def cache_features(model, sequences: list[list[int]], directory: Path, shard_siz
     return shards
 
 
-def draft_vocabulary(sequences: list[list[int]], size: int) -> torch.Tensor:
+def _holds(shard: Path, sequences: list[list[int]]) -> bool:
+    """Whether a cached shard holds exactly these sequences (read without its features)."""
+    from safetensors import safe_open
+
+    if not shard.is_file():
+        return False
+    try:
+        with safe_open(str(shard), "pt") as f:
+            ids, lengths = f.get_tensor("ids"), f.get_tensor("lengths")
+    except Exception:  # noqa: BLE001 - an unreadable shard is computed again
+        return False
+    return lengths.tolist() == [len(s) for s in sequences] and all(
+        ids[row, : len(s)].tolist() == s for row, s in enumerate(sequences))
+
+
+def draft_vocabulary(sequences: list[TrainingSequence], size: int) -> torch.Tensor:
     """The `size` tokens most frequent in the training data (fewer if fewer occur), ties by id: as EAGLE-3, a
     head that drafts only among them spends a fraction of the time in its lm_head and loses little, since
     the rest are rare."""
-    counts = Counter(token for s in sequences for token in s)
+    counts = Counter(token for s in sequences for token in s.ids)
     ranked = sorted(counts, key=lambda token: (-counts[token], token))
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
@@ -97,6 +145,12 @@ def _starting_head(cfg: TrainConfig, model) -> EagleHead:
     return head.train()
 
 
+class _Item(NamedTuple):
+    ids: torch.Tensor  # [n]
+    features: torch.Tensor  # [n, d] fp32
+    scored: torch.Tensor  # [n - 1] bool: pair t (f_t, x_{t+1}) counts in the loss
+
+
 def _load_shards(shards: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from safetensors.torch import load_file
 
@@ -109,29 +163,39 @@ def _load_shards(shards: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _batch(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    width = max(len(ids) for ids, _ in items) - 1
+def scored_pairs(response: list[bool], loss_on: str) -> torch.Tensor:
+    """Which of a sequence's n - 1 head pairs count in the loss. Pair t (f_t, x_{t+1}) predicts f_{t+1}, whose
+    token is x_{t+2}: it counts when x_{t+2} is a response token (the last pair, predicting past the end, when
+    the last token is)."""
+    if loss_on == "all":
+        return torch.ones(len(response) - 1, dtype=torch.bool)
+    return torch.tensor(response[2:] + response[-1:], dtype=torch.bool)
+
+
+def _batch(items: list[_Item]) -> tuple[torch.Tensor, ...]:
+    width = max(len(item.ids) for item in items) - 1
     tokens = torch.zeros(len(items), width, dtype=torch.long)
-    inputs = torch.zeros(len(items), width, items[0][1].shape[-1])
+    inputs = torch.zeros(len(items), width, items[0].features.shape[-1])
     targets = torch.zeros_like(inputs)
-    valid = torch.zeros(len(items), width, dtype=torch.bool)
-    for row, (ids, feats) in enumerate(items):
+    scored = torch.zeros(len(items), width, dtype=torch.bool)
+    for row, (ids, feats, counts) in enumerate(items):
         n = len(ids) - 1
-        tokens[row, :n], inputs[row, :n], targets[row, :n], valid[row, :n] = ids[1:], feats[:-1], feats[1:], True
-    return tokens, inputs, targets, valid
+        tokens[row, :n], inputs[row, :n], targets[row, :n], scored[row, :n] = ids[1:], feats[:-1], feats[1:], counts
+    return tokens, inputs, targets, scored
 
 
 def head_loss(head: EagleHead, embed, lm_head, batch, noise: float = 0.0, p_weight: float = 0.1
               ) -> tuple[torch.Tensor, dict]:
-    tokens, inputs, targets, valid = batch
+    tokens, inputs, targets, scored = batch
     if noise > 0:
         inputs = inputs + torch.randn_like(inputs) * noise * inputs.pow(2).mean().sqrt()
     positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
     with torch.no_grad():
         emb = embed(tokens)
-        target_probs = torch.softmax(lm_head(targets[valid]), dim=-1)
-    predicted = head(emb, inputs, positions, None)[valid].float()  # causal: right padding never reaches valid
-    v_loss = F.smooth_l1_loss(predicted, targets[valid])
+        target_probs = torch.softmax(lm_head(targets[scored]), dim=-1)
+    # causal: the right padding never reaches a scored pair; unscored pairs still serve as context
+    predicted = head(emb, inputs, positions, None)[scored].float()
+    v_loss = F.smooth_l1_loss(predicted, targets[scored])
     logp = torch.log_softmax(lm_head(predicted), dim=-1)
     p_loss = -(target_probs * logp).sum(-1).mean()
     top1 = (logp.argmax(-1) == target_probs.argmax(-1)).float().mean()
@@ -148,8 +212,13 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         raise CastspecError(f"{out} already holds a training run: pass --resume to continue it, or another --out")
     if resume and not checkpoint.exists():
         raise CastspecError(f"nothing to resume: {checkpoint} does not exist")
+    if cfg.loss_on not in LOSS_ON:
+        raise CastspecError(f"--loss-on must be one of {', '.join(LOSS_ON)}, got {cfg.loss_on!r}")
     sequences = training_sequences(tokenizer, conversations, cfg.max_length)
-    items = _load_shards(cache_features(model, sequences, feature_dir))
+    loaded = _load_shards(cache_features(model, [s.ids for s in sequences], feature_dir))
+    items = [_Item(ids, feats, scored_pairs(s.response, cfg.loss_on))
+             for (ids, feats), s in zip(loaded, sequences, strict=True)]
+    items = [item for item in items if item.scored.any()]  # e.g. cut off before the first response token
     rng = random.Random(cfg.seed)
     order = list(range(len(items)))
     rng.shuffle(order)
@@ -186,7 +255,8 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     step, history = 0, []
     if resume:
         state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        saved = {**asdict(TrainConfig()), **state["config"]}  # settings added since take their defaults
+        # settings added since take their defaults; runs from before --loss-on scored every pair
+        saved = {**asdict(TrainConfig()), "loss_on": "all", **state["config"]}
         if saved != asdict(cfg):
             raise CastspecError(f"--resume with different settings than {checkpoint} was made with: "
                                 f"{state['config']} vs {asdict(cfg)}")
@@ -238,7 +308,8 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
         _, val = head_loss(head, embed, lm_head, _batch(held_out), 0.0, cfg.p_weight) if held_out else (None, {})
     result = {"steps": step, "train_s": round(time.perf_counter() - start, 1), "validation": val,
-              "sequences": len(train_items), "tokens": sum(len(ids) for ids, _ in train_items)}
+              "sequences": len(train_items), "tokens": sum(len(item.ids) for item in train_items),
+              "scored_pairs": sum(int(item.scored.sum()) for item in train_items), "loss_on": cfg.loss_on}
     (out / "training.json").write_text(json.dumps({**result, "history": history, "config": asdict(cfg),
                                                    **(meta or {})}, indent=1))
     save()

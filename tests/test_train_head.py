@@ -13,10 +13,20 @@ from castspec.drafters.eagle_head import load_eagle_head
 from castspec.errors import CastspecError
 from castspec.prompts import load_sharegpt
 from castspec.train_config import TrainConfig
-from castspec.train_head import train, training_sequences
+from castspec.train_head import (
+    _assistant_spans,
+    _batch,
+    _Item,
+    cache_features,
+    head_loss,
+    scored_pairs,
+    train,
+    training_sequences,
+)
 
+# 48 tokens end inside most prompts: these runs score every pair (the response-only loss has its own test)
 TINY = TrainConfig(conversations=4, max_length=48, epochs=6, batch_size=3, lr=1e-3, warmup=1, noise=0.05,
-                   save_every=100, validation=1, seed=0)
+                   save_every=100, validation=1, seed=0, loss_on="all")
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +39,57 @@ def test_sharegpt_and_sequences(smollm, conversations):
     assert len(conversations) == 4
     assert all(c[0]["role"] == "user" and c[1]["role"] == "assistant" for c in conversations)
     sequences = training_sequences(tokenizer, conversations, 48)
-    assert sequences and all(16 <= len(s) <= 48 for s in sequences)
-    assert tokenizer.decode(sequences[0]).count(conversations[0][0]["content"][:20]) == 1
+    assert sequences and all(16 <= len(s.ids) <= 48 and len(s.response) == len(s.ids) for s in sequences)
+    assert tokenizer.decode(sequences[0].ids).count(conversations[0][0]["content"][:20]) == 1
+
+
+def test_response_tokens_are_the_assistant_turns(smollm, conversations):
+    _, tokenizer = smollm
+    for turns, seq in zip(conversations, training_sequences(tokenizer, conversations, 4096), strict=True):
+        spans = _assistant_spans(tokenizer, turns, seq.ids)
+        answers = [t["content"] for t in turns if t["role"] == "assistant"]
+        assert len(spans) == len(answers) and sum(seq.response) == sum(end - start for start, end in spans)
+        for (start, end), answer in zip(spans, answers, strict=True):
+            text = tokenizer.decode(seq.ids[start:end])
+            assert text.startswith(answer.strip()[:40]) and text.rstrip().endswith("<|im_end|>")
+            assert tokenizer.decode(seq.ids[:start]).endswith("<|im_start|>assistant\n")
+
+
+def test_scored_pairs_are_the_predictions_of_response_tokens():
+    # pair t = (f_t, x_{t+1}) predicts x_{t+2}; the last pair predicts past the end
+    assert scored_pairs([False, False, False, True, True, False], "responses").tolist() == [
+        False, True, True, False, False]
+    assert scored_pairs([False, False, True, True], "responses").tolist() == [True, True, True]
+    assert scored_pairs([False, False, True, True], "all").tolist() == [True, True, True]
+
+
+def test_response_loss_ignores_prompt_targets(smollm, conversations, tmp_path):
+    """With --loss-on responses the loss does not depend on the targets of prompt pairs (they remain context)
+    but does on a response pair's; a short run trains on responses only and reports how many pairs it scored."""
+    model, tokenizer = smollm
+    seq = training_sequences(tokenizer, conversations, 160)[1]
+    ids = torch.tensor(seq.ids)
+    with torch.no_grad():
+        feats = model(ids[None], output_hidden_states=True).hidden_states[-1][0]
+    from castspec.drafters.eagle_head import EagleHead, head_config
+
+    torch.manual_seed(0)
+    head = EagleHead(head_config(model)).eval()
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    tokens, inputs, targets, scored = _batch([_Item(ids, feats, scored_pairs(seq.response, "responses"))])
+    assert 0 < int(scored.sum()) < scored.numel()
+    with torch.no_grad():
+        base, _ = head_loss(head, embed, lm_head, (tokens, inputs, targets, scored))
+        noisy = targets.clone()
+        noisy[~scored] = torch.randn_like(noisy[~scored])
+        same, _ = head_loss(head, embed, lm_head, (tokens, inputs, noisy, scored))
+        row, pair = scored.nonzero()[0].tolist()
+        noisy[row, pair] += 1.0
+        moved, _ = head_loss(head, embed, lm_head, (tokens, inputs, noisy, scored))
+    assert torch.equal(base, same) and not torch.equal(base, moved)
+    cfg = dataclasses.replace(TINY, max_length=160, epochs=2, loss_on="responses")
+    result = train(model, tokenizer, conversations, tmp_path / "head", tmp_path / "features", cfg)
+    assert 0 < result["scored_pairs"] < result["tokens"] - result["sequences"] and result["loss_on"] == "responses"
 
 
 def test_loss_falls_and_resume_is_exact(smollm, conversations, tmp_path):
@@ -86,3 +145,23 @@ def test_init_starts_from_a_trained_head(smollm, conversations, tmp_path):
     assert torch.equal(start.draft_ids, end.draft_ids) and len(end.draft_ids) == 50
     with pytest.raises(CastspecError, match="draft vocabulary"):
         train(model, tokenizer, conversations, tmp_path / "again", features, dataclasses.replace(tuned, draft_vocab=9))
+
+
+def test_feature_cache_reuses_shards_of_data_that_grew(smollm, tmp_path):
+    """Sequences appended to the data cost only their own features: a shard holding exactly its sequences is
+    kept, one whose sequences changed is computed again, and every shard holds the target's features."""
+    from safetensors.torch import load_file
+
+    model, _ = smollm
+    seqs = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13], [5, 4, 3], [9, 9, 9, 9, 9, 9]]
+    first = cache_features(model, seqs[:3], tmp_path, shard_size=2)
+    stamps = [shard.stat().st_mtime_ns for shard in first]
+    grown = cache_features(model, seqs, tmp_path, shard_size=2)
+    assert len(grown) == 3 and grown[0].stat().st_mtime_ns == stamps[0] and grown[1].stat().st_mtime_ns != stamps[1]
+    for index, shard in enumerate(grown):
+        data = load_file(str(shard))
+        for row, seq in enumerate(seqs[2 * index: 2 * index + 2]):
+            with torch.no_grad():
+                want = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+            assert data["ids"][row, : len(seq)].tolist() == seq
+            torch.testing.assert_close(data["features"][row, : len(seq)].float(), want, atol=2e-2, rtol=2e-2)
