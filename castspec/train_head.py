@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -163,6 +164,17 @@ def _load_shards(shards: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def held_out_indices(sequences: list[list[int]], count: int, seed: int = 0) -> list[int]:
+    """The `count` sequences held out for validation: those whose token ids hash lowest. The choice depends on
+    the sequences alone, not their number or order, so when the data grows a held-out sequence only ever
+    leaves the set for a new one; a run fine-tuned (`--init`) on grown data is then validated on sequences
+    the runs before it did not train on, if they held out as many."""
+    def key(index: int) -> bytes:
+        return hashlib.sha256(f"{seed}:{sequences[index]}".encode()).digest()
+
+    return sorted(sorted(range(len(sequences)), key=key)[:count])
+
+
 def scored_pairs(response: list[bool], loss_on: str) -> torch.Tensor:
     """Which of a sequence's n - 1 head pairs count in the loss. Pair t (f_t, x_{t+1}) predicts f_{t+1}, whose
     token is x_{t+2}: it counts when x_{t+2} is a response token (the last pair, predicting past the end, when
@@ -219,11 +231,9 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     items = [_Item(ids, feats, scored_pairs(s.response, cfg.loss_on))
              for (ids, feats), s in zip(loaded, sequences, strict=True)]
     items = [item for item in items if item.scored.any()]  # e.g. cut off before the first response token
-    rng = random.Random(cfg.seed)
-    order = list(range(len(items)))
-    rng.shuffle(order)
-    held_out = [items[i] for i in order[: cfg.validation]]
-    train_items = [items[i] for i in order[cfg.validation:]]
+    held = set(held_out_indices([item.ids.tolist() for item in items], cfg.validation, cfg.seed))
+    held_out = [item for i, item in enumerate(items) if i in held]
+    train_items = [item for i, item in enumerate(items) if i not in held]
     if not train_items:
         raise CastspecError("no training sequences left after the validation split: use more --conversations")
     torch.manual_seed(cfg.seed)

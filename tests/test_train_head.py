@@ -19,6 +19,7 @@ from castspec.train_head import (
     _Item,
     cache_features,
     head_loss,
+    held_out_indices,
     scored_pairs,
     train,
     training_sequences,
@@ -165,3 +166,17 @@ def test_feature_cache_reuses_shards_of_data_that_grew(smollm, tmp_path):
                 want = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
             assert data["ids"][row, : len(seq)].tolist() == seq
             torch.testing.assert_close(data["features"][row, : len(seq)].float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_held_out_sequences_stay_unseen_as_the_data_grows():
+    """A sequence held out of a run is either held out again when the data grows, or replaced by a new
+    sequence; never one the earlier run trained on. Order does not matter."""
+    first = [[i, i + 1, i * 7 % 13] for i in range(40)]
+    grown = first + [[100 + i, i] for i in range(25)]
+    before = {tuple(first[i]) for i in held_out_indices(first, 5)}
+    after = {tuple(grown[i]) for i in held_out_indices(grown, 5)}
+    assert len(before) == len(after) == 5 and after != before
+    assert after <= before | {tuple(s) for s in grown[40:]}
+    shuffled = grown[::-1]
+    assert {tuple(shuffled[i]) for i in held_out_indices(shuffled, 5)} == after
+    assert held_out_indices(first, 5, seed=1) != held_out_indices(first, 5)
