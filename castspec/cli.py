@@ -166,11 +166,12 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--feature-dir", help="where target features are cached (default under $CASTSPEC_HOME)")
     train.add_argument("--max-minutes", type=float, help="stop (after a checkpoint) once this much time has "
                                                          "passed; continue later with --resume")
-    from castspec.train_config import LOSS_ON, TrainConfig
+    from castspec.train_config import LAYER_INIT, LOSS_ON, TrainConfig
 
+    choices = {"loss_on": LOSS_ON, "layer_init": LAYER_INIT}
     for field in dataclasses.fields(TrainConfig):
         train.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
-                           choices=LOSS_ON if field.name == "loss_on" else None, help=f"(default {field.default})")
+                           choices=choices.get(field.name), help=f"(default {field.default})")
 
     regen = sub.add_parser("regenerate", help="answer ShareGPT's first turns with the target (training data for "
                                               "train-head --data; run again to continue)")

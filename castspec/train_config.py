@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LOSS_ON = ("responses", "all")
+LAYER_INIT = ("random", "target")
 
 
 @dataclass
@@ -22,4 +23,6 @@ class TrainConfig:
     seed: int = 0
     draft_vocab: int = 0  # draft among the N tokens most frequent in the data (0: the target's whole vocabulary)
     init: str = ""  # start from this EAGLE-1/2 head (its weights and draft vocabulary), e.g. to fine-tune it
+    layer_init: str = "random"  # a fresh head's decoder layer: random, or a copy of the target's last layer
+    unroll: int = 1  # passes per step: 1 is EAGLE's loss; k also trains on the head's own predictions k - 1 deep
     loss_on: str = "responses"  # which predictions count: of assistant tokens only (EAGLE's loss mask) or of all

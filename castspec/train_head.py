@@ -29,10 +29,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from castspec.drafters.eagle_head import EagleHead, head_config, load_eagle_head, save_eagle_head
 from castspec.errors import CastspecError
-from castspec.train_config import LOSS_ON, TrainConfig
+from castspec.train_config import LAYER_INIT, LOSS_ON, TrainConfig
 
 
 class TrainingSequence(NamedTuple):
@@ -101,7 +102,8 @@ def cache_features(model, sequences: list[list[int]], directory: Path, shard_siz
                 ids[row, : len(s)] = torch.tensor(s)
             features = torch.zeros(len(chunk), width, model.config.hidden_size, dtype=torch.bfloat16)
             for row, s in enumerate(chunk):  # one at a time: no padding cost on a CPU
-                out = model(ids[row: row + 1, : len(s)], output_hidden_states=True)
+                # logits_to_keep=1: the features are all we need, not 152 k logits per token
+                out = model(ids[row: row + 1, : len(s)], output_hidden_states=True, logits_to_keep=1)
                 features[row, : len(s)] = out.hidden_states[-1][0].to(torch.bfloat16)
                 bar.update(len(s))
             tmp = shards[i].with_suffix(".tmp")
@@ -135,6 +137,27 @@ def draft_vocabulary(sequences: list[TrainingSequence], size: int) -> torch.Tens
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
 
+def head_from_target_layer(model) -> EagleHead:
+    """A fresh head whose decoder layer starts as a copy of the target's last one (attention, MLP, both norms):
+    that layer already reads and writes the space the head's input and output features live in, so a head
+    trained on little data starts from the target's own weights rather than from noise."""
+    last = model.get_decoder().layers[-1]
+    attention = getattr(last, "self_attn", None)
+    if attention is None or not hasattr(attention, "q_proj"):
+        raise CastspecError("--layer-init target copies a Llama-shaped decoder layer (self_attn.q_proj, mlp, two "
+                            f"norms); this target's last layer is a {type(last).__name__}")
+    head = EagleHead(head_config(model, attention_bias=attention.q_proj.bias is not None), input_norm=True)
+    missing, unexpected = head.layers[0].load_state_dict(last.state_dict(), strict=False)
+    # a Llama layer with biases has one on o_proj too, which Qwen2's lacks: it starts at zero
+    missing = [k for k in missing if k != "self_attn.o_proj.bias"]
+    if missing or unexpected:
+        raise CastspecError(f"--layer-init target: the target's last layer ({type(last).__name__}) does not match a "
+                            f"Llama decoder layer: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if head.layers[0].self_attn.o_proj.bias is not None and "self_attn.o_proj.bias" not in last.state_dict():
+        torch.nn.init.zeros_(head.layers[0].self_attn.o_proj.bias)
+    return head
+
+
 def _starting_head(cfg: TrainConfig, model) -> EagleHead:
     """The head `--init` names, in fp32 (the master weights), with its draft vocabulary."""
     if cfg.draft_vocab:
@@ -148,7 +171,7 @@ def _starting_head(cfg: TrainConfig, model) -> EagleHead:
 
 class _Item(NamedTuple):
     ids: torch.Tensor  # [n]
-    features: torch.Tensor  # [n, d] fp32
+    features: torch.Tensor  # [n, d] as cached (bf16): a million tokens of Qwen-1.5B features is 3 GB, not 6
     scored: torch.Tensor  # [n - 1] bool: pair t (f_t, x_{t+1}) counts in the loss
 
 
@@ -160,7 +183,7 @@ def _load_shards(shards: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         data = load_file(str(shard))
         for row in range(data["ids"].shape[0]):
             n = int(data["lengths"][row])
-            out.append((data["ids"][row, :n], data["features"][row, :n].float()))
+            out.append((data["ids"][row, :n], data["features"][row, :n].clone()))  # not a view of the whole shard
     return out
 
 
@@ -196,22 +219,58 @@ def _batch(items: list[_Item]) -> tuple[torch.Tensor, ...]:
     return tokens, inputs, targets, scored
 
 
-def head_loss(head: EagleHead, embed, lm_head, batch, noise: float = 0.0, p_weight: float = 0.1
+def unrolled_mask(pairs: int, step: int) -> torch.Tensor:
+    """[pairs - step, sum of the passes' widths] bool: in unrolled pass `step`, row t is pair t + step, drafted
+    `step` deep from the exact pair t. It sees what a draft node sees: the exact pairs up to t (pass 0) and its
+    own chain, one node per earlier unrolled pass (column t of each), itself last."""
+    rows = pairs - step
+    blocks = [torch.arange(pairs)[None] <= torch.arange(rows)[:, None]]
+    blocks += [torch.eye(rows, pairs - j, dtype=torch.bool) for j in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def unrolled_passes(head: EagleHead, embeddings: torch.Tensor, inputs: torch.Tensor, steps: int
+                    ) -> list[torch.Tensor]:
+    """The head's outputs over a batch of pairs ([B, n, d] embeddings of x_{t+1} and features f_t), pass by
+    pass: pass 0 is teacher-forced (EAGLE), pass k ([B, n - k, d]) feeds the head its own outputs of pass
+    k - 1, as drafting k deep does, each row seeing the exact pairs before its chain (`unrolled_mask`)."""
+    pairs = embeddings.shape[1]
+    positions = torch.arange(pairs)[None].expand(embeddings.shape[0], -1)
+    cache = DynamicCache(config=head.config) if steps > 1 else None
+    features, passes = inputs, []
+    for step in range(min(steps, pairs)):
+        # pass 0 is causal: right padding never reaches a real pair; pass k masks as a draft chain
+        mask = None if step == 0 else unrolled_mask(pairs, step)[None, None].expand(embeddings.shape[0], -1, -1, -1)
+        passes.append(head(embeddings[:, step:], features, positions[:, step:], mask, cache))
+        features = passes[-1][:, :-1]
+    return passes
+
+
+def head_loss(head: EagleHead, embed, lm_head, batch, noise: float = 0.0, p_weight: float = 0.1, steps: int = 1
               ) -> tuple[torch.Tensor, dict]:
+    """EAGLE's loss: smooth-L1 on the predicted feature + p_weight x cross-entropy against the target's
+    next-token distribution. With `steps` > 1, the training-time test of HASS / EAGLE-3: the loss of unrolled
+    pass k (the head on its own predictions, k deep) is added at weight 0.8^k. Stats: `v`, `p`, `top1` of the
+    teacher-forced pass; `top1_k` of pass k - 1 (agreement with the target k nodes deep)."""
     tokens, inputs, targets, scored = batch
     if noise > 0:
         inputs = inputs + torch.randn_like(inputs) * noise * inputs.pow(2).mean().sqrt()
-    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
     with torch.no_grad():
-        emb = embed(tokens)
-        target_probs = torch.softmax(lm_head(targets[scored]), dim=-1)
-    # causal: the right padding never reaches a scored pair; unscored pairs still serve as context
-    predicted = head(emb, inputs, positions, None)[scored].float()
-    v_loss = F.smooth_l1_loss(predicted, targets[scored])
-    logp = torch.log_softmax(lm_head(predicted), dim=-1)
-    p_loss = -(target_probs * logp).sum(-1).mean()
-    top1 = (logp.argmax(-1) == target_probs.argmax(-1)).float().mean()
-    return v_loss + p_weight * p_loss, {"v": v_loss.item(), "p": p_loss.item(), "top1": top1.item()}
+        embeddings = embed(tokens)
+    total, stats = 0.0, {}
+    for step, hidden in enumerate(unrolled_passes(head, embeddings, inputs, steps)):
+        counted = scored[:, step:]
+        with torch.no_grad():
+            target_probs = torch.softmax(lm_head(targets[:, step:][counted]), dim=-1)
+        predicted = hidden[counted].float()
+        v_loss = F.smooth_l1_loss(predicted, targets[:, step:][counted])
+        logp = torch.log_softmax(lm_head(predicted), dim=-1)
+        p_loss = -(target_probs * logp).sum(-1).mean()
+        top1 = (logp.argmax(-1) == target_probs.argmax(-1)).float().mean().item()
+        total = total + 0.8 ** step * (v_loss + p_weight * p_loss)
+        deep = {"v": v_loss.item(), "p": p_loss.item(), "top1": top1} if step == 0 else {f"top1_{step + 1}": top1}
+        stats.update(deep)
+    return total, stats
 
 
 def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_dir: Path, cfg: TrainConfig,
@@ -226,6 +285,12 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         raise CastspecError(f"nothing to resume: {checkpoint} does not exist")
     if cfg.loss_on not in LOSS_ON:
         raise CastspecError(f"--loss-on must be one of {', '.join(LOSS_ON)}, got {cfg.loss_on!r}")
+    if cfg.layer_init not in LAYER_INIT:
+        raise CastspecError(f"--layer-init must be one of {', '.join(LAYER_INIT)}, got {cfg.layer_init!r}")
+    if cfg.unroll < 1:
+        raise CastspecError(f"--unroll must be at least 1 (1: EAGLE's teacher-forced loss), got {cfg.unroll}")
+    if cfg.init and cfg.layer_init != "random":
+        raise CastspecError("--init starts from a trained head's weights: leave out --layer-init")
     sequences = training_sequences(tokenizer, conversations, cfg.max_length)
     loaded = _load_shards(cache_features(model, [s.ids for s in sequences], feature_dir))
     items = [_Item(ids, feats, scored_pairs(s.response, cfg.loss_on))
@@ -240,7 +305,7 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     if cfg.init:
         head = _starting_head(cfg, model)
     else:
-        head = EagleHead(head_config(model))
+        head = head_from_target_layer(model) if cfg.layer_init == "target" else EagleHead(head_config(model))
         if cfg.draft_vocab:
             head.restrict_vocabulary(draft_vocabulary(sequences, cfg.draft_vocab))
     # a bf16 target trains its head under bf16 autocast (fp32 master weights): the lm_head over the whole vocabulary
@@ -284,6 +349,13 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         save_eagle_head(head, out, {**(meta or {}), "train": asdict(cfg), "step": step,
                                     "sequences": len(train_items), "last": history[-1] if history else None})
 
+    def validate() -> dict:
+        head.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
+            _, stats = head_loss(head, embed, lm_head, _batch(held_out), 0.0, cfg.p_weight, max(2, cfg.unroll))
+        head.train()
+        return stats
+
     out.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=total, initial=step, desc="train head", unit="step")
     head.train()
@@ -295,7 +367,7 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         chosen = epoch_order[index * cfg.batch_size: (index + 1) * cfg.batch_size]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
             loss, stats = head_loss(head, embed, lm_head, _batch([train_items[i] for i in chosen]), cfg.noise,
-                                    cfg.p_weight)
+                                    cfg.p_weight, cfg.unroll)
         optimiser.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -305,6 +377,8 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         history.append({"step": step, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in stats.items()}})
         bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{stats['top1']:.3f}")
         bar.update()
+        if step % per_epoch == 0 and step < total and held_out:  # the last epoch's is the final validation below
+            history[-1]["validation"] = {k: round(v, 4) for k, v in validate().items()}
         out_of_time = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
         stopping = out_of_time or (stop_after_steps is not None and step - started_at >= stop_after_steps)
         if step % cfg.save_every == 0 or step == total or stopping:
@@ -314,9 +388,8 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
             return {"steps": step, "of": total, "stopped": "time" if out_of_time else "steps",
                     "resume": "run the same command with --resume"}
     bar.close()
+    val = validate() if held_out else {}
     head.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
-        _, val = head_loss(head, embed, lm_head, _batch(held_out), 0.0, cfg.p_weight) if held_out else (None, {})
     result = {"steps": step, "train_s": round(time.perf_counter() - start, 1), "validation": val,
               "sequences": len(train_items), "tokens": sum(len(item.ids) for item in train_items),
               "scored_pairs": sum(int(item.scored.sum()) for item in train_items), "loss_on": cfg.loss_on}

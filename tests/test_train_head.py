@@ -18,11 +18,13 @@ from castspec.train_head import (
     _batch,
     _Item,
     cache_features,
+    head_from_target_layer,
     head_loss,
     held_out_indices,
     scored_pairs,
     train,
     training_sequences,
+    unrolled_passes,
 )
 
 # 48 tokens end inside most prompts: these runs score every pair (the response-only loss has its own test)
@@ -100,6 +102,9 @@ def test_loss_falls_and_resume_is_exact(smollm, conversations, tmp_path):
     history = json.loads((tmp_path / "whole" / "training.json").read_text())["history"]
     assert history[-1]["loss"] < history[0]["loss"]  # 6 steps on the same 3 sequences: it must learn something
     assert whole["steps"] == 6
+    # held-out agreement after every epoch but the last, whose figure is the run's final validation
+    assert ["validation" in h for h in history] == [True] * 5 + [False]
+    assert set(history[0]["validation"]) == set(whole["validation"]) == {"v", "p", "top1", "top1_2"}
 
     stopped = train(model, tokenizer, conversations, tmp_path / "parts", features, TINY, stop_after_steps=3)
     assert stopped["steps"] == 3 and stopped["stopped"] == "steps"
@@ -180,3 +185,72 @@ def test_held_out_sequences_stay_unseen_as_the_data_grows():
     shuffled = grown[::-1]
     assert {tuple(shuffled[i]) for i in held_out_indices(shuffled, 5)} == after
     assert held_out_indices(first, 5, seed=1) != held_out_indices(first, 5)
+
+
+def test_unrolled_passes_are_draft_chains(smollm):
+    """Pass k of the training-time test gives, at row t, what drafting gives k nodes below the exact pair t:
+    the head run over the exact pairs up to t and then its own previous outputs, one pair at a time. The loss
+    of a later pass reaches the weights through the earlier passes' outputs."""
+    from castspec.drafters.eagle_head import EagleHead, head_config
+
+    model, _ = smollm
+    torch.manual_seed(0)
+    head = EagleHead(head_config(model)).eval()
+    for p in head.parameters():
+        p.data.normal_(0, 0.05)
+    embed = model.get_input_embeddings()
+    pairs = 10
+    tokens, inputs = torch.randint(0, 5000, (2, pairs)), torch.randn(2, pairs, model.config.hidden_size)
+    positions = torch.arange(pairs)[None]
+    with torch.no_grad():
+        passes = unrolled_passes(head, embed(tokens), inputs, 3)
+        assert [p.shape[1] for p in passes] == [10, 9, 8]
+        for row in range(2):
+            for t in range(pairs - 2):
+                features, chain = inputs[row: row + 1, : t + 1], []
+                for depth in range(3):
+                    n = t + 1 + depth
+                    out = head(embed(tokens[row: row + 1, :n]), features, positions[:, :n], None)[:, -1:]
+                    torch.testing.assert_close(out, passes[depth][row: row + 1, t: t + 1], atol=1e-4, rtol=1e-4)
+                    chain.append(out)
+                    features = torch.cat([inputs[row: row + 1, : t + 1], *chain], dim=1)
+    head.train()
+    later = unrolled_passes(head, embed(tokens).detach(), inputs, 2)[1]
+    first_output = torch.autograd.grad(later.sum(), head.fc.weight, retain_graph=True)[0]
+    assert first_output.abs().sum() > 0
+
+
+def test_head_from_the_targets_last_layer(smollm, smollm_reference, conversations, tmp_path):
+    """--layer-init target: the head's layer starts as the target's last decoder layer (same output for the
+    same input), keeps its input norm through save and load, and a head trained that way with the training-time
+    test decodes exactly HF greedy's output; conflicting settings are refused."""
+    from castspec import Engine
+    from castspec.drafters.eagle_head import EagleHeadDrafter
+    from castspec.policies import ChainPolicy, Eagle2Policy
+
+    model, tokenizer = smollm
+    head = head_from_target_layer(model)
+    last = model.get_decoder().layers[-1]
+    x = torch.randn(1, 5, model.config.hidden_size)
+    positions = torch.arange(5)[None]
+    with torch.no_grad():
+        rope = model.get_decoder().rotary_emb(x, positions)
+        torch.testing.assert_close(head.layers[0](x, position_ids=positions, position_embeddings=rope),
+                                   last(x, position_ids=positions, position_embeddings=rope))
+    cfg = dataclasses.replace(TINY, layer_init="target", unroll=2)
+    result = train(model, tokenizer, conversations, tmp_path / "head", tmp_path / "features", cfg)
+    history = json.loads((tmp_path / "head" / "training.json").read_text())["history"]
+    assert history[-1]["loss"] < history[0]["loss"] and {"top1", "top1_2"} <= set(result["validation"])
+    loaded = load_eagle_head(str(tmp_path / "head"), model)
+    assert not isinstance(loaded.layers[0].input_layernorm, torch.nn.Identity)
+    for policy in (ChainPolicy(3), Eagle2Policy(4, 3, 12)):
+        engine = Engine(model, tokenizer, EagleHeadDrafter(loaded, model), policy)
+        ids = [engine.encode(prompt=p) for p in ("def add(a, b):", "The capital of France is")]
+        for got, prompt_ids in zip(engine.generate_batch(prompt_ids=ids, max_new_tokens=20), ids, strict=True):
+            assert got.output_ids == smollm_reference(tuple(prompt_ids), 20), policy.name
+    with pytest.raises(CastspecError, match="--init"):
+        train(model, tokenizer, conversations, tmp_path / "x", tmp_path / "features",
+              dataclasses.replace(cfg, init=str(tmp_path / "head")))
+    with pytest.raises(CastspecError, match="--unroll"):
+        train(model, tokenizer, conversations, tmp_path / "y", tmp_path / "features",
+              dataclasses.replace(TINY, unroll=0))

@@ -32,10 +32,10 @@ from castspec.errors import CastspecError
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def head_config(target_model, layers: int = 1) -> LlamaConfig:
+def head_config(target_model, layers: int = 1, attention_bias: bool = False) -> LlamaConfig:
     """A head config matching the target's attention geometry (what a head trained here uses)."""
     t = target_model.config
-    return LlamaConfig(
+    return LlamaConfig(attention_bias=attention_bias,
         vocab_size=target_model.get_output_embeddings().weight.shape[0], hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size, num_hidden_layers=layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=getattr(t, "num_key_value_heads", t.num_attention_heads),
@@ -48,14 +48,15 @@ def head_config(target_model, layers: int = 1) -> LlamaConfig:
 class EagleHead(nn.Module):
     feature_layers: tuple[int, ...] = (-1,)  # the target's last hidden state, after its final norm
 
-    def __init__(self, config: LlamaConfig, fc_bias: bool = False) -> None:
+    def __init__(self, config: LlamaConfig, fc_bias: bool = False, input_norm: bool = False) -> None:
         super().__init__()
         config._attn_implementation = "sdpa"  # takes the boolean tree masks as they are
         self.config = config
         self.embed_tokens: nn.Embedding | None = None  # None: the target's own embeddings
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.layers[0].input_layernorm = nn.Identity()
+        if not input_norm:  # EAGLE's layout; a head started from a target layer keeps that layer's norm
+            self.layers[0].input_layernorm = nn.Identity()
         self.rotary = LlamaRotaryEmbedding(config)
         self.register_buffer("d2t", None)  # None: the target's whole vocabulary
         self._draft_weight: tuple[tuple, torch.Tensor] | None = None  # ((lm_head, dtype) it was made for, rows)
@@ -227,7 +228,7 @@ def _eagle1(source: str, config: LlamaConfig, weights: dict, target_hidden: int,
     if embed is not None and embed.shape[0] != target_vocab:
         raise CastspecError(f"the EAGLE head {source} embeds {embed.shape[0]} tokens, the target predicts "
                             f"{target_vocab}: it was trained for another tokenizer")
-    head = EagleHead(config, fc_bias="fc.bias" in weights)
+    head = EagleHead(config, fc_bias="fc.bias" in weights, input_norm="layers.0.input_layernorm.weight" in weights)
     d2t = weights.pop("d2t", None)
     weights = {k: v for k, v in weights.items() if not k.startswith(("lm_head.", "t2d"))}
     missing, unexpected = head.load_state_dict(weights, strict=False)
