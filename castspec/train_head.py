@@ -148,13 +148,12 @@ def head_from_target_layer(model) -> EagleHead:
                             f"norms); this target's last layer is a {type(last).__name__}")
     head = EagleHead(head_config(model, attention_bias=attention.q_proj.bias is not None), input_norm=True)
     missing, unexpected = head.layers[0].load_state_dict(last.state_dict(), strict=False)
-    # a Llama layer with biases has one on o_proj too, which Qwen2's lacks: it starts at zero
-    missing = [k for k in missing if k != "self_attn.o_proj.bias"]
+    if "self_attn.o_proj.bias" in missing:  # a Llama layer with biases has one on o_proj, Qwen2's has none
+        missing.remove("self_attn.o_proj.bias")
+        torch.nn.init.zeros_(head.layers[0].self_attn.o_proj.bias)
     if missing or unexpected:
         raise CastspecError(f"--layer-init target: the target's last layer ({type(last).__name__}) does not match a "
                             f"Llama decoder layer: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    if head.layers[0].self_attn.o_proj.bias is not None and "self_attn.o_proj.bias" not in last.state_dict():
-        torch.nn.init.zeros_(head.layers[0].self_attn.o_proj.bias)
     return head
 
 
