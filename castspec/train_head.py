@@ -137,6 +137,36 @@ def draft_vocabulary(sequences: list[TrainingSequence], size: int) -> torch.Tens
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
 
+def widened_vocabulary(current: torch.Tensor, sequences: list[TrainingSequence], size: int) -> torch.Tensor:
+    """`current` (target ids) grown to `size` tokens with the response tokens most frequent in `sequences`, ties by
+    id. A head's lm_head rows are the target's own, so widening costs no training: the head's predicted feature
+    scores the new rows as the target would score its true one. It matters because a vocabulary counted on a
+    small training set misses tokens the target writes often elsewhere, and a token outside it is never drafted."""
+    if size < len(current):
+        raise CastspecError(f"the head already drafts among {len(current)} tokens; --size {size} would drop some")
+    counts = Counter(token for s in sequences for token, answer in zip(s.ids, s.response, strict=True) if answer)
+    have = set(current.tolist())
+    ranked = sorted((token for token in counts if token not in have), key=lambda token: (-counts[token], token))
+    return torch.tensor(sorted(have | set(ranked[: size - len(have)])), dtype=torch.long)
+
+
+def widen_head(source: str, model, tokenizer, conversations: list[list[dict]], size: int, out: Path) -> dict:
+    """Write a copy of the EAGLE-1/2 head `source` to `out` with its draft vocabulary widened to `size` tokens
+    (`widened_vocabulary`, counted on `conversations`)."""
+    head = load_eagle_head(source, model, dtype=torch.float32)
+    if not isinstance(head, EagleHead) or head.draft_ids is None:
+        raise CastspecError(f"{source} drafts over the target's whole vocabulary or is an EAGLE-3 head (its own "
+                            "lm_head): there is no draft vocabulary to widen")
+    before = head.draft_ids
+    if out.resolve() == Path(source).expanduser().resolve():
+        raise CastspecError("--out must be another directory than --head (the head is written anew there)")
+    ids = widened_vocabulary(before, training_sequences(tokenizer, conversations, 1 << 30), size)
+    head.restrict_vocabulary(ids)
+    record = {"from": str(source), "before": len(before), "after": len(ids)}
+    save_eagle_head(head, out, {**(getattr(head.config, "castspec", None) or {}), "widened_vocabulary": record})
+    return record
+
+
 def head_from_target_layer(model) -> EagleHead:
     """A fresh head whose decoder layer starts as a copy of the target's last one (attention, MLP, both norms):
     that layer already reads and writes the space the head's input and output features live in, so a head

@@ -220,3 +220,26 @@ def test_demo_profiles_a_cost_table_once_and_runs_cast(tmp_path, monkeypatch, ca
     assert "profiling one" not in capsys.readouterr().out
     assert main(["demo", "--model", model_dir, "--draft", "none"]) == 2
     assert "give one with --draft" in capsys.readouterr().err
+
+
+def test_training_data_from_several_sources(tmp_path, capsys):
+    """--data A,B trains on both files' conversations (--conversations caps each, in the order named); the feature
+    cache is named after both; a missing source or an empty one between commas is one clear line."""
+    from castspec.cli import _conversations, _data_name
+
+    def write(name: str, count: int) -> str:
+        file = tmp_path / f"{name}.jsonl"
+        file.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{name} {i}"},
+                                                         {"role": "assistant", "content": "ok"}]}) + "\n"
+                                for i in range(count)))
+        return str(file)
+
+    both = f"{write('first', 3)},{write('second', 2)}"
+    got = [turns[0]["content"] for turns in _conversations(both, 2)]
+    assert got == ["first 0", "first 1", "second 0", "second 1"]
+    assert _data_name(both) == "first+second"
+    assert main(["train-head", "--target", "smollm2-135m", "--data", f"{both},", "--out", str(tmp_path / "h")]) == 2
+    assert "empty source" in capsys.readouterr().err
+    assert main(["train-head", "--target", "smollm2-135m", "--data", f"{both},{tmp_path / 'none.jsonl'}",
+                 "--out", str(tmp_path / "h")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -334,3 +334,51 @@ def test_head_with_a_draft_vocabulary_saves_loads_and_stays_lossless(smollm, smo
     save_file(dict(state, d2t=state["d2t"] + 10 ** 6), str(tmp_path / "head" / "model.safetensors"))
     with pytest.raises(CastspecError, match="another tokenizer"):
         load_eagle_head(str(tmp_path / "head"), model)
+
+
+def test_widened_vocabulary_keeps_the_old_tokens_and_adds_the_most_frequent_answers():
+    from castspec.train_head import TrainingSequence, widened_vocabulary
+
+    data = [TrainingSequence([5, 7, 7, 9, 9, 9, 2], [False, True, True, True, True, True, False])]
+    # 9 (3 answer tokens) before 7 (2); 5 and 2 are prompt tokens and do not count; 1 is kept from before
+    assert widened_vocabulary(torch.tensor([1]), data, 3).tolist() == [1, 7, 9]
+    assert widened_vocabulary(torch.tensor([1]), data, 2).tolist() == [1, 9]
+    assert widened_vocabulary(torch.tensor([1, 9]), data, 10).tolist() == [1, 7, 9]  # fewer tokens than asked
+    with pytest.raises(CastspecError, match="would drop"):
+        widened_vocabulary(torch.tensor([1, 2, 3]), data, 2)
+
+
+def test_widened_head_drafts_more_tokens_and_stays_lossless(smollm, smollm_reference, random_head, tmp_path):
+    """`castspec head-vocab`: a head trained on a small draft vocabulary is copied with the vocabulary widened on
+    real ShareGPT answers (no training: the rows are the target's lm_head); the copy keeps every old token, loads
+    with its weights unchanged, decodes exactly HF greedy's output, and the command refuses what it cannot do."""
+    import copy
+
+    from castspec.cli import main
+    from castspec.prompts import load_sharegpt
+    from castspec.train_head import widen_head
+
+    model, tokenizer = smollm
+    head = copy.deepcopy(random_head)
+    head.restrict_vocabulary(torch.arange(100, 600))
+    save_eagle_head(head, tmp_path / "small", {"note": "kept"})
+    record = widen_head(str(tmp_path / "small"), model, tokenizer, load_sharegpt(40), 2000, tmp_path / "wide")
+    assert record == {"from": str(tmp_path / "small"), "before": 500, "after": 2000}
+    wide = load_eagle_head(str(tmp_path / "wide"), model)
+    assert set(range(100, 600)) <= set(wide.draft_ids.tolist()) and len(wide.draft_ids) == 2000
+    assert all(torch.equal(a, b) for (k, a), (_, b) in zip(head.state_dict().items(), wide.state_dict().items(),
+                                                            strict=True) if k != "d2t")
+    saved = json.loads((tmp_path / "wide" / "config.json").read_text())["castspec"]
+    assert saved["note"] == "kept" and saved["widened_vocabulary"]["after"] == 2000
+    engine = Engine(model, tokenizer, EagleHeadDrafter(wide, model), Eagle2Policy(4, 4, 16))
+    ids = [engine.encode(prompt=p) for p in PROMPTS]
+    for got, prompt_ids in zip(engine.generate_batch(prompt_ids=ids, max_new_tokens=20), ids, strict=True):
+        assert got.output_ids == smollm_reference(tuple(prompt_ids), 20)
+
+    with pytest.raises(CastspecError, match="would drop"):
+        widen_head(str(tmp_path / "wide"), model, tokenizer, load_sharegpt(5), 100, tmp_path / "narrow")
+    with pytest.raises(CastspecError, match="another directory"):
+        widen_head(str(tmp_path / "wide"), model, tokenizer, load_sharegpt(5), 3000, tmp_path / "wide")
+    save_eagle_head(random_head, tmp_path / "whole")
+    assert main(["head-vocab", "--head", str(tmp_path / "whole"), "--target", "smollm2-135m", "--dtype", "fp32",
+                 "--size", "100", "--conversations", "3", "--out", str(tmp_path / "x")]) == 2
