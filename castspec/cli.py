@@ -297,11 +297,8 @@ def _conversations(data: str, limit: int) -> list[list[dict]]:
     `limit` from each, in the order the sources are named."""
     from castspec.prompts import load_sharegpt, read_prompts_file
 
-    sources = [source.strip() for source in data.split(",")]
-    if not all(sources):
-        raise CastspecError(f"--data {data!r}: an empty source between commas")
     out = []
-    for source in sources:
+    for source in _sources(data):
         if source == "sharegpt":
             out += load_sharegpt(limit)
             continue
@@ -312,8 +309,15 @@ def _conversations(data: str, limit: int) -> list[list[dict]]:
     return out
 
 
+def _sources(data: str) -> list[str]:
+    sources = [source.strip() for source in data.split(",")]
+    if not all(sources):
+        raise CastspecError(f"--data {data!r}: an empty source between commas")
+    return sources
+
+
 def _data_name(data: str) -> str:
-    return "+".join(source if source == "sharegpt" else Path(source).stem for source in data.split(","))
+    return "+".join(source if source == "sharegpt" else Path(source).stem for source in _sources(data))
 
 
 def _cmd_regenerate(args) -> None:

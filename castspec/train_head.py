@@ -154,13 +154,13 @@ def widened_vocabulary(current: torch.Tensor, sequences: list[TrainingSequence],
 def widen_head(source: str, model, tokenizer, conversations: list[list[dict]], size: int, out: Path) -> dict:
     """Write a copy of the EAGLE-1/2 head `source` to `out` with its draft vocabulary widened to `size` tokens
     (`widened_vocabulary`, counted on `conversations`)."""
+    if out.resolve() == Path(source).expanduser().resolve():
+        raise CastspecError("--out must be another directory than --head (the head is written anew there)")
     head = load_eagle_head(source, model, dtype=torch.float32)
     if not isinstance(head, EagleHead) or head.draft_ids is None:
         raise CastspecError(f"{source} drafts over the target's whole vocabulary or is an EAGLE-3 head (its own "
                             "lm_head): there is no draft vocabulary to widen")
     before = head.draft_ids
-    if out.resolve() == Path(source).expanduser().resolve():
-        raise CastspecError("--out must be another directory than --head (the head is written anew there)")
     ids = widened_vocabulary(before, training_sequences(tokenizer, conversations, 1 << 30), size)
     head.restrict_vocabulary(ids)
     record = {"from": str(source), "before": len(before), "after": len(ids)}
