@@ -123,6 +123,8 @@ def _build_parser() -> argparse.ArgumentParser:
     tsrc = tune.add_mutually_exclusive_group()
     tsrc.add_argument("--draft", help="draft model (default: the n-gram drafter)")
     tsrc.add_argument("--drafter", default="ngram", help="a model-free drafter: ngram (the default)")
+    tsrc.add_argument("--head", help="an EAGLE head as the drafter (directory or hub id); replays read the "
+                                     "target's features of each reference")
     tune.add_argument("--method", default="eagle2", help="eagle2 | chain")
     tune.add_argument("--grid", help="';'-separated KEY=v1,v2,... (default eagle2: top_k=2,4,8,10;"
                                      "depth=2,3,4,5,6,7;total_tokens=8,16,32,60; chain: chain_length=1,2,3,4,5,6,8)")
@@ -366,18 +368,28 @@ def _cmd_tune(args) -> None:
     if args.measure < 0 or args.offset < 0:
         raise CastspecError("--measure and --offset must not be negative")
     target, tokenizer, draft = _load_pair(args.model, args.draft, args.dtype)
-    costs = find_cost_table(setup_key(target), drafter_identity(draft))
+    head = None
+    if args.head:
+        from castspec.drafters.eagle_head import EagleHeadDrafter, load_eagle_head
+
+        head = (load_eagle_head(args.head, target), args.head)
+    costs = find_cost_table(setup_key(target), drafter_identity(draft, args.head))
     if costs is None:
+        source = (f"--head {args.head}" if args.head else f"--draft {args.draft}" if draft is not None
+                  else "--drafter ngram")
         raise CastspecError("tune prices verify forwards from a cost table of this setup and drafter; make one "
-                            f"with castspec profile --model {args.model} "
-                            f"{'--draft ' + args.draft if draft is not None else '--drafter ngram'} "
-                            f"--dtype {args.dtype}")
+                            f"with castspec profile --model {args.model} {source} --dtype {args.dtype}")
     prompts = _prompts(args.sets, args.per_set, args.offset)
     if not prompts:
         raise CastspecError(f"no prompts left after --offset {args.offset}")
-    drafter = "draft" if draft is not None else "ngram"
+    if head is not None:
+        drafter, make_drafter = "head", lambda: EagleHeadDrafter(head[0], target)
+    elif draft is not None:
+        drafter, make_drafter = "draft", lambda: DraftModelDrafter(draft)
+    else:
+        drafter, make_drafter = "ngram", NgramDrafter
     result = run_tune(target, tokenizer, draft, args.method, drafter, grid, prompts, args.max_new_tokens, costs,
-                      (lambda: DraftModelDrafter(draft)) if draft is not None else NgramDrafter, args.measure)
+                      make_drafter, args.measure, head)
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     save_tune(result, Path(args.out_dir), args.name, command)
     print(tune_markdown(result, command))

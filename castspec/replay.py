@@ -6,18 +6,25 @@ whose token is the reference's next token. Given the reference output (one AR ru
 replayed exactly: the drafter really drafts (its time is measured), the verify forward is not run but priced
 from the measured cost table. `castspec tune` uses this to search a whole EAGLE-2 grid for the price of its
 drafting. Exact in fp32; in bf16 a tree-masked forward may flip a near-tie that the reference did not, so the
-replayed tau is the one an fp32-exact target would give."""
+replayed tau is the one an fp32-exact target would give.
+
+A drafter that reads target features (an EAGLE head) gets them from one forward of the target over prompt +
+reference (`reference_features`): the features a verify pass computes at accepted positions are those of the
+same prefix, so one pass serves every replay of that prompt."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+import torch
+
 from castspec.cost import CostTable
 from castspec.drafters.base import Drafter
 from castspec.drafting import grow_trees
 from castspec.errors import CastspecError
 from castspec.policies import Policy, StepContext
+from castspec.target import join_features
 from castspec.tree import DraftTree
 from castspec.verify import child_index
 
@@ -48,16 +55,31 @@ def accepted_path(tree: DraftTree, reference: list[int], start: int) -> list[int
     return path
 
 
+def reference_features(model, prompt: list[int], reference: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """The target's features ([len(prompt) + len(reference), F], `layers` side by side as a verify pass gives
+    them) at every position of prompt + reference, for replaying a drafter that reads them."""
+    ids = torch.tensor([prompt + reference], device=model.device)
+    with torch.inference_mode():  # logits_to_keep=1: the hidden states are wanted, not a logit per position
+        out = model(ids, output_hidden_states=True, logits_to_keep=1)
+    return join_features(out, layers)[0]
+
+
 def replay(drafter: Drafter | None, policy: Policy | None, prompt: list[int], reference: list[int], costs: CostTable,
-           max_new_tokens: int) -> ReplayResult:
+           max_new_tokens: int, features: torch.Tensor | None = None) -> ReplayResult:
     """Decode `prompt` again as the engine would at batch size 1, with `reference` (the target's greedy output)
     standing in for the target's verdicts. A reference longer than `max_new_tokens` lets the last step count
-    what it would accept beyond the cut, as the engine's step statistics do."""
-    if drafter is not None and drafter.feature_layers:
-        raise CastspecError(f"the {drafter.name} drafter reads target features; a replay has no target to give "
-                            "them (measure it with castspec bench instead)")
+    what it would accept beyond the cut, as the engine's step statistics do. A drafter that reads target
+    features needs `features` (`reference_features` of this prompt and reference)."""
     if not reference:
         raise CastspecError("the reference output is empty")
+    reads_features = drafter is not None and bool(drafter.feature_layers)
+    if reads_features and features is None:
+        raise CastspecError(f"the {drafter.name} drafter reads target features: pass the target's features of "
+                            "prompt + reference (castspec.replay.reference_features)")
+    if reads_features and features.shape[0] < len(prompt) + len(reference) - 1:
+        raise CastspecError(f"features cover {features.shape[0]} positions; prompt + reference needs at least "
+                            f"{len(prompt) + len(reference) - 1}")
+    given = 0  # positions whose features the drafter has received
     if drafter is not None:
         drafter.reset(1)
     emitted, unseen = 1, prompt + reference[:1]
@@ -69,8 +91,11 @@ def replay(drafter: Drafter | None, policy: Policy | None, prompt: list[int], re
         tree, depth = DraftTree.single(reference[emitted - 1]), 0
         start = time.perf_counter()
         if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
-            trees, record = grow_trees(drafter, policy, [unseen], ctx)
-            tree, depth, unseen = trees[0], record.depth, []
+            # every absorbed token comes with the feature of the position before it; the root's own is not known
+            # until it is verified
+            fed = [features[given: context]] if reads_features else None
+            trees, record = grow_trees(drafter, policy, [unseen], ctx, fed)
+            tree, depth, unseen, given = trees[0], record.depth, [], context
         draft_s = time.perf_counter() - start
         path = accepted_path(tree, reference, emitted)
         new_tokens = reference[emitted: emitted + len(path) + 1]

@@ -54,7 +54,7 @@ class Target:
                          want_hidden=bool(feature_layers))
         features = None
         if feature_layers:
-            joined = _features(out, feature_layers)
+            joined = join_features(out, feature_layers)
             features = [joined[row, width - len(p):] for row, p in enumerate(prompts)]
         return out.logits[:, -1].float(), features
 
@@ -80,7 +80,7 @@ class Target:
             mask[row, n:, :past] = False  # padding nodes see nothing but themselves
         out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
                          self._mask(mask), want_hidden=bool(feature_layers))
-        return out.logits.float(), _features(out, feature_layers) if feature_layers else None
+        return out.logits.float(), join_features(out, feature_layers) if feature_layers else None
 
     def commit(self, kept_nodes: list[list[int]]) -> None:
         """Per row, keep the KV entries of `kept_nodes` (root first, then the accepted path) of the trees
@@ -99,6 +99,6 @@ class Target:
         self.lengths = [self.lengths[r] for r in rows]
 
 
-def _features(out, layers: tuple[int, ...]) -> torch.Tensor:
+def join_features(out, layers: tuple[int, ...]) -> torch.Tensor:
     """The hidden states of `layers` side by side (index -1: the last layer's, after the final norm)."""
     return torch.cat([out.hidden_states[i] for i in layers], dim=-1)

@@ -30,7 +30,7 @@ from castspec.bench import (
 )
 from castspec.cost import CostTable
 from castspec.errors import CastspecError
-from castspec.replay import replay
+from castspec.replay import reference_features, replay
 
 DEFAULT_GRIDS = {"eagle2": "top_k=2,4,8,10;depth=2,3,4,5,6,7;total_tokens=8,16,32,60",
                  "chain": "chain_length=1,2,3,4,5,6,8"}
@@ -67,9 +67,10 @@ def method_label(method: str, drafter: str, options: dict) -> str:
 
 
 def _replay_all(make_drafter, policy_of, prompts_ids: list[list[int]], references: list[list[int]],
-                costs: CostTable, max_new_tokens: int) -> dict:
-    results = [replay(make_drafter(), policy_of(), ids, ref, costs, max_new_tokens)
-               for ids, ref in zip(prompts_ids, references, strict=True)]
+                costs: CostTable, max_new_tokens: int, features: list | None = None) -> dict:
+    features = features or [None] * len(prompts_ids)
+    results = [replay(make_drafter(), policy_of(), ids, ref, costs, max_new_tokens, feats)
+               for ids, ref, feats in zip(prompts_ids, references, features, strict=True)]
     steps = sum(len(r.accepted) for r in results)
     decode_s, ar_s = sum(r.decode_s for r in results), sum(r.ar_s for r in results)
     return {"predicted_speedup": round(ar_s / decode_s, 4) if decode_s else None,
@@ -82,25 +83,30 @@ def _replay_all(make_drafter, policy_of, prompts_ids: list[list[int]], reference
 
 
 def run_tune(target_model, tokenizer, draft_model, method: str, drafter: str, grid: list[dict], prompts: list[dict],
-             max_new_tokens: int, costs: CostTable, make_drafter, measure: int = 3) -> dict:
-    """Steps 1-3 of the module docstring. `make_drafter()` builds a fresh drafter for each replay."""
+             max_new_tokens: int, costs: CostTable, make_drafter, measure: int = 3, head=None) -> dict:
+    """Steps 1-3 of the module docstring. `make_drafter()` builds a fresh drafter for each replay; `head`
+    ((EagleHead, its source), as for run_benchmark) when the drafter is 'head'."""
     reference_engine = Engine(target_model, tokenizer)
     ids = encode_prompts(reference_engine, prompts)
     references = [reference_engine.generate(prompt_ids=i, max_new_tokens=max_new_tokens).output_ids
                   for i in tqdm(ids, desc="reference (AR)", unit="prompt")]
+    layers = make_drafter().feature_layers
+    features = [reference_features(target_model, i, ref, layers) for i, ref in zip(ids, references, strict=True)
+                ] if layers else None
     labels = [method_label(method, drafter, point) for point in grid]
     labels += [f"cast:{drafter}", f"cast:{drafter}:calibrate=1", f"cast:{drafter}:auto=0"]
     replayed = []
     for spec in tqdm(parse_methods(";".join(labels)), desc="replay", unit="config"):
         options = policy_options(spec, costs)
         row = _replay_all(make_drafter, lambda s=spec.method, o=options: make_policy(s, **o), ids, references,
-                          costs, max_new_tokens)
+                          costs, max_new_tokens, features)
         replayed.append({"method": spec.label, "options": spec.options, **row})
     fixed = _ranked_fixed(replayed)
     specs = [MethodSpec("ar", "ar")]
     specs += [MethodSpec(r["method"], method, drafter, r["options"]) for r in fixed[:measure]]
     specs += [MethodSpec(f"cast:{drafter}", "cast", drafter, {})]
-    measured = run_benchmark(target_model, tokenizer, draft_model, specs, prompts, max_new_tokens) if measure else None
+    measured = (run_benchmark(target_model, tokenizer, draft_model, specs, prompts, max_new_tokens, head=head)
+                if measure else None)
     chosen = None
     if measured is not None:
         overall = [r for r in measured["summary"] if r["task"] == "all" and r["method"] in
