@@ -303,6 +303,20 @@ def head_loss(head: EagleHead, embed, lm_head, batch, noise: float = 0.0, p_weig
     return total, stats
 
 
+def training_items(model, sequences: list[TrainingSequence], feature_dir: Path, loss_on: str, validation: int,
+                   seed: int = 0) -> tuple[list[_Item], list[_Item]]:
+    """The sequences with their target features (cached in `feature_dir`) and scored pairs, split into training
+    and `validation` held-out items; a sequence with nothing to score (e.g. cut off before its first response
+    token) is left out of both."""
+    loaded = _load_shards(cache_features(model, [s.ids for s in sequences], feature_dir))
+    items = [_Item(ids, feats, scored_pairs(s.response, loss_on))
+             for (ids, feats), s in zip(loaded, sequences, strict=True)]
+    items = [item for item in items if item.scored.any()]
+    held = set(held_out_indices([item.ids.tolist() for item in items], validation, seed))
+    return ([item for i, item in enumerate(items) if i not in held],
+            [item for i, item in enumerate(items) if i in held])
+
+
 def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_dir: Path, cfg: TrainConfig,
           resume: bool = False, meta: dict | None = None, max_minutes: float | None = None,
           stop_after_steps: int | None = None) -> dict:
@@ -322,13 +336,7 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     if cfg.init and cfg.layer_init != "random":
         raise CastspecError("--init starts from a trained head's weights: leave out --layer-init")
     sequences = training_sequences(tokenizer, conversations, cfg.max_length)
-    loaded = _load_shards(cache_features(model, [s.ids for s in sequences], feature_dir))
-    items = [_Item(ids, feats, scored_pairs(s.response, cfg.loss_on))
-             for (ids, feats), s in zip(loaded, sequences, strict=True)]
-    items = [item for item in items if item.scored.any()]  # e.g. cut off before the first response token
-    held = set(held_out_indices([item.ids.tolist() for item in items], cfg.validation, cfg.seed))
-    held_out = [item for i, item in enumerate(items) if i in held]
-    train_items = [item for i, item in enumerate(items) if i not in held]
+    train_items, held_out = training_items(model, sequences, feature_dir, cfg.loss_on, cfg.validation, cfg.seed)
     if not train_items:
         raise CastspecError("no training sequences left after the validation split: use more --conversations")
     torch.manual_seed(cfg.seed)

@@ -28,11 +28,7 @@ from castspec.prompts import PROMPT_SETS, load_prompt_set
 from castspec.train_head import (
     TrainingSequence,
     _batch,
-    _Item,
-    _load_shards,
-    cache_features,
-    held_out_indices,
-    scored_pairs,
+    training_items,
     training_sequences,
     unrolled_passes,
 )
@@ -49,13 +45,11 @@ def main() -> None:
     else:
         sequences = training_sequences(tokenizer, _conversations(data, 600), max_length)
         features = castspec_home() / "features" / f"{TARGET}-bf16-{_data_name(data)}-x{max_length}"
-    loaded = _load_shards(cache_features(model, [s.ids for s in sequences], features))
-    items = [_Item(ids, feats, scored_pairs(s.response, "responses"))
-             for (ids, feats), s in zip(loaded, sequences, strict=True)]
-    items = [item for item in items if item.scored.any()]
-    held = (range(len(items)) if data.endswith(".json") else
-            held_out_indices([item.ids.tolist() for item in items], 24, 0))  # train-head's defaults
-    tokens, inputs, targets, scored = _batch([items[i] for i in held])
+    # benchmark outputs are all evaluated; training data only where train-head's defaults hold it out
+    benchmark = data.endswith(".json")
+    rest, held = training_items(model, sequences, features, "responses", 0 if benchmark else 24)
+    held = rest if benchmark else held
+    tokens, inputs, targets, scored = _batch(held)
     lm_head = model.get_output_embeddings().weight.detach()
     embed = model.get_input_embeddings().weight.detach().float()
     results = []
