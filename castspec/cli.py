@@ -158,7 +158,7 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--plot", nargs=2, metavar=("TABLE", "OUT_PNG"), help="plot a table's cost curves")
     prof.add_argument("--force", action="store_true", help="use a table measured on another setup")
 
-    train = sub.add_parser("train-head", help="train an EAGLE-1/2 draft head for a target on this machine")
+    train = sub.add_parser("train-head", help="train an EAGLE-1/2 or EAGLE-3 draft head for a target on this machine")
     train.add_argument("--target", required=True, help="registry name, local HF directory or hub id")
     train.add_argument("--data", default="sharegpt",
                        help="'sharegpt' (the pinned ShareGPT wheel) or a JSONL file of {\"messages\": [...]}; "
@@ -169,9 +169,9 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--feature-dir", help="where target features are cached (default under $CASTSPEC_HOME)")
     train.add_argument("--max-minutes", type=float, help="stop (after a checkpoint) once this much time has "
                                                          "passed; continue later with --resume")
-    from castspec.train_config import LAYER_INIT, LOSS_ON, TrainConfig
+    from castspec.train_config import ARCH, LAYER_INIT, LOSS_ON, TrainConfig
 
-    choices = {"loss_on": LOSS_ON, "layer_init": LAYER_INIT}
+    choices = {"loss_on": LOSS_ON, "layer_init": LAYER_INIT, "arch": ARCH}
     for field in dataclasses.fields(TrainConfig):
         train.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
                            choices=choices.get(field.name), help=f"(default {field.default})")
@@ -285,7 +285,8 @@ def _cmd_train_head(args) -> None:
     model, tokenizer = load_model(args.target, args.dtype)
     feature_dir = Path(args.feature_dir) if args.feature_dir else (castspec_home() / "features" /
                                                                    f"{Path(args.target).name}-{args.dtype}-"
-                                                                   f"{_data_name(args.data)}-x{cfg.max_length}")
+                                                                   f"{_data_name(args.data)}-x{cfg.max_length}"
+                                                                   f"{'-eagle3' if cfg.arch == 'eagle3' else ''}")
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = train(model, tokenizer, conversations, Path(args.out), feature_dir, cfg, resume=args.resume,
                    meta={"target": args.target, "data": args.data, "command": command},

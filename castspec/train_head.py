@@ -1,4 +1,4 @@
-"""Training an EAGLE-1/2 head for a target on this machine.
+"""Training an EAGLE-1/2 or EAGLE-3 head for a target on this machine.
 
 1. Conversations (ShareGPT, or a JSONL file) are rendered with the target's chat template and cut to
    `max_length` tokens; the responses are the data's own, or the target's when the file comes from
@@ -12,7 +12,10 @@
    0.1 x cross-entropy between lm_head(h_t) and the target's own next-token distribution lm_head(f_{t+1}).
    Input features get a little noise so that the head tolerates its own (imperfect) predictions when it runs
    on them inside a draft tree. Checkpoints (head, optimiser, step) go to OUT/checkpoint.pt; the head itself
-   to OUT/model.safetensors + config.json in the EAGLE layout after every checkpoint."""
+   to OUT/model.safetensors + config.json in the EAGLE layout after every checkpoint.
+With `--arch eagle3` the head is EAGLE-3's: its input is the target's low, middle and high layers side by side
+(cached with the last layer, which only gives the distribution to learn), it predicts through its own lm_head
+over a draft vocabulary, and its loss is the cross-entropy alone; the checkpoint is in the EAGLE-3 layout."""
 
 from __future__ import annotations
 
@@ -31,9 +34,17 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from castspec.drafters.eagle_head import EagleHead, head_config, load_eagle_head, save_eagle_head
+from castspec.drafters.eagle_head import (
+    Eagle3Head,
+    EagleHead,
+    eagle3_feature_layers,
+    head_config,
+    load_eagle_head,
+    save_eagle_head,
+)
 from castspec.errors import CastspecError
-from castspec.train_config import LAYER_INIT, LOSS_ON, TrainConfig
+from castspec.target import join_features
+from castspec.train_config import ARCH, LAYER_INIT, LOSS_ON, TrainConfig
 
 
 class TrainingSequence(NamedTuple):
@@ -80,15 +91,20 @@ def _assistant_spans(tokenizer, turns: list[dict], ids: list[int]) -> list[tuple
 
 
 @torch.inference_mode()
-def cache_features(model, sequences: list[list[int]], directory: Path, shard_size: int = 16) -> list[Path]:
-    """The target's last-layer features of every sequence, in shards of `shard_size` sequences (bf16 on
-    disk). A shard already there is kept when it holds exactly its sequences, so data that grew at its end (a
-    `regenerate` run continued) only costs its new sequences; other shards are computed again."""
+def cache_features(model, sequences: list[list[int]], directory: Path, shard_size: int = 16,
+                   layers: tuple[int, ...] = (-1,)) -> list[Path]:
+    """The target's features of every sequence (the hidden states of `layers` side by side, as
+    `target.join_features` gives them; -1 is the last layer's, after the final norm), in shards of `shard_size`
+    sequences (bf16 on disk). A shard already there is kept when it holds exactly its sequences at this width,
+    so data that grew at its end (a `regenerate` run continued) only costs its new sequences; other shards are
+    computed again."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
+    width_per_token = len(layers) * model.config.hidden_size
     shards = [directory / f"shard-{i:05d}.safetensors" for i in range(math.ceil(len(sequences) / shard_size))]
-    todo = [i for i, s in enumerate(shards) if not _holds(s, sequences[i * shard_size: (i + 1) * shard_size])]
+    todo = [i for i, s in enumerate(shards)
+            if not _holds(s, sequences[i * shard_size: (i + 1) * shard_size], width_per_token)]
     if todo:
         bar = tqdm(total=sum(len(s) for s in sequences), desc="target features", unit="tok")
         bar.update(sum(len(s) for i in range(len(shards)) if i not in todo
@@ -100,11 +116,11 @@ def cache_features(model, sequences: list[list[int]], directory: Path, shard_siz
             lengths = torch.tensor([len(s) for s in chunk])
             for row, s in enumerate(chunk):
                 ids[row, : len(s)] = torch.tensor(s)
-            features = torch.zeros(len(chunk), width, model.config.hidden_size, dtype=torch.bfloat16)
+            features = torch.zeros(len(chunk), width, width_per_token, dtype=torch.bfloat16)
             for row, s in enumerate(chunk):  # one at a time: no padding cost on a CPU
                 # logits_to_keep=1: the features are all we need, not 152 k logits per token
                 out = model(ids[row: row + 1, : len(s)], output_hidden_states=True, logits_to_keep=1)
-                features[row, : len(s)] = out.hidden_states[-1][0].to(torch.bfloat16)
+                features[row, : len(s)] = join_features(out, layers)[0].to(torch.bfloat16)
                 bar.update(len(s))
             tmp = shards[i].with_suffix(".tmp")
             save_file({"ids": ids, "lengths": lengths, "features": features}, str(tmp))
@@ -113,8 +129,9 @@ def cache_features(model, sequences: list[list[int]], directory: Path, shard_siz
     return shards
 
 
-def _holds(shard: Path, sequences: list[list[int]]) -> bool:
-    """Whether a cached shard holds exactly these sequences (read without its features)."""
+def _holds(shard: Path, sequences: list[list[int]], width_per_token: int) -> bool:
+    """Whether a cached shard holds exactly these sequences, `width_per_token` features each (read without
+    the features themselves)."""
     from safetensors import safe_open
 
     if not shard.is_file():
@@ -122,9 +139,10 @@ def _holds(shard: Path, sequences: list[list[int]]) -> bool:
     try:
         with safe_open(str(shard), "pt") as f:
             ids, lengths = f.get_tensor("ids"), f.get_tensor("lengths")
+            width = f.get_slice("features").get_shape()[-1]
     except Exception:  # noqa: BLE001 - an unreadable shard is computed again
         return False
-    return lengths.tolist() == [len(s) for s in sequences] and all(
+    return width == width_per_token and lengths.tolist() == [len(s) for s in sequences] and all(
         ids[row, : len(s)].tolist() == s for row, s in enumerate(sequences))
 
 
@@ -188,20 +206,63 @@ def head_from_target_layer(model) -> EagleHead:
     return head
 
 
-def _starting_head(cfg: TrainConfig, model) -> EagleHead:
+def fresh_eagle3_head(model, draft_ids: torch.Tensor) -> Eagle3Head:
+    """A new EAGLE-3 head over the draft vocabulary `draft_ids` (target ids), reading the target's default low /
+    middle / high layers. Its lm_head and final norm start as the target's (the rows of the draft vocabulary):
+    the head's output then starts in the space the target's last layer writes, and the little data trained on
+    here goes into the decoder layer rather than into relearning an output layer the target already has."""
+    layers = eagle3_feature_layers(model.config.num_hidden_layers)
+    ids = torch.as_tensor(draft_ids, dtype=torch.long).unique(sorted=True)
+    config = head_config(model)
+    config.draft_vocab_size = len(ids)  # the EAGLE-3 layout's own fields, so that other tools load it too
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]}
+    head = Eagle3Head(config, model.config.hidden_size, len(ids), layers)
+    head.d2t = ids - torch.arange(len(ids))
+    head.t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    head.t2d[ids] = True
+    final_norm = getattr(model.get_decoder(), "norm", None)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(model.get_output_embeddings().weight.detach()[ids].float())
+        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+            head.norm.weight.copy_(final_norm.weight.detach().float())
+    return head
+
+
+def _starting_head(cfg: TrainConfig, model) -> EagleHead | Eagle3Head:
     """The head `--init` names, in fp32 (the master weights), with its draft vocabulary."""
     if cfg.draft_vocab:
         raise CastspecError("--init keeps the starting head's draft vocabulary: leave out --draft-vocab")
     head = load_eagle_head(cfg.init, model, dtype=torch.float32)
-    if not isinstance(head, EagleHead):
-        raise CastspecError(f"--init {cfg.init}: train-head trains EAGLE-1/2 heads; this one is an EAGLE-3 head")
+    kind = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
+    if kind != cfg.arch:
+        raise CastspecError(f"--init {cfg.init} is an {'EAGLE-3' if kind == 'eagle3' else 'EAGLE-1/2'} head: "
+                            f"train it with --arch {kind}")
     head.embed_tokens = None  # training feeds the target's embeddings, as drafting does for heads trained here
     return head.train()
 
 
+def _new_head(cfg: TrainConfig, model, sequences: list[TrainingSequence]) -> EagleHead | Eagle3Head:
+    if cfg.init:
+        return _starting_head(cfg, model)
+    if cfg.arch == "eagle3":
+        return fresh_eagle3_head(model, draft_vocabulary(sequences, cfg.draft_vocab))
+    head = head_from_target_layer(model) if cfg.layer_init == "target" else EagleHead(head_config(model))
+    if cfg.draft_vocab:
+        head.restrict_vocabulary(draft_vocabulary(sequences, cfg.draft_vocab))
+    return head
+
+
+def feature_layers(arch: str, model) -> tuple[int, ...]:
+    """The target layers cached for training a head of `arch`: its input features, then (EAGLE-3) the last
+    layer's, whose lm_head gives the distribution the head learns."""
+    if arch == "eagle3":
+        return (*eagle3_feature_layers(model.config.num_hidden_layers), -1)
+    return (-1,)
+
+
 class _Item(NamedTuple):
     ids: torch.Tensor  # [n]
-    features: torch.Tensor  # [n, d] as cached (bf16): a million tokens of Qwen-1.5B features is 3 GB, not 6
+    features: torch.Tensor  # [n, d x layers] as cached (bf16): a million tokens of Qwen-1.5B's last layer is 3 GB
     scored: torch.Tensor  # [n - 1] bool: pair t (f_t, x_{t+1}) counts in the loss
 
 
@@ -237,15 +298,21 @@ def scored_pairs(response: list[bool], loss_on: str) -> torch.Tensor:
     return torch.tensor(response[2:] + response[-1:], dtype=torch.bool)
 
 
-def _batch(items: list[_Item]) -> tuple[torch.Tensor, ...]:
+def _batch(items: list[_Item], target_width: int | None = None) -> tuple[torch.Tensor, ...]:
+    """(next tokens, input features, target features, scored) of a batch, right-padded. `target_width` None:
+    the cached features are both the input and the target (EAGLE-1/2); else the last `target_width` columns
+    are the target (the last layer's) and the rest the input (EAGLE-3's fused layers)."""
     width = max(len(item.ids) for item in items) - 1
+    cached = items[0].features.shape[-1]
+    split = cached if target_width is None else cached - target_width
     tokens = torch.zeros(len(items), width, dtype=torch.long)
-    inputs = torch.zeros(len(items), width, items[0].features.shape[-1])
-    targets = torch.zeros_like(inputs)
+    inputs = torch.zeros(len(items), width, split)
+    targets = torch.zeros(len(items), width, target_width or cached)
     scored = torch.zeros(len(items), width, dtype=torch.bool)
     for row, (ids, feats, counts) in enumerate(items):
         n = len(ids) - 1
-        tokens[row, :n], inputs[row, :n], targets[row, :n], scored[row, :n] = ids[1:], feats[:-1], feats[1:], counts
+        tokens[row, :n], scored[row, :n] = ids[1:], counts
+        inputs[row, :n], targets[row, :n] = feats[:-1, :split], feats[1:, cached - targets.shape[-1]:]
     return tokens, inputs, targets, scored
 
 
@@ -259,7 +326,7 @@ def unrolled_mask(pairs: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def unrolled_passes(head: EagleHead, embeddings: torch.Tensor, inputs: torch.Tensor, steps: int
+def unrolled_passes(head: EagleHead | Eagle3Head, embeddings: torch.Tensor, inputs: torch.Tensor, steps: int
                     ) -> list[torch.Tensor]:
     """The head's outputs over a batch of pairs ([B, n, d] embeddings of x_{t+1} and features f_t), pass by
     pass: pass 0 is teacher-forced (EAGLE), pass k ([B, n - k, d]) feeds the head its own outputs of pass
@@ -276,12 +343,15 @@ def unrolled_passes(head: EagleHead, embeddings: torch.Tensor, inputs: torch.Ten
     return passes
 
 
-def head_loss(head: EagleHead, embed, lm_head, batch, noise: float = 0.0, p_weight: float = 0.1, steps: int = 1
-              ) -> tuple[torch.Tensor, dict]:
+def head_loss(head: EagleHead | Eagle3Head, embed, lm_head, batch, noise: float = 0.0, p_weight: float = 0.1,
+              steps: int = 1) -> tuple[torch.Tensor, dict]:
     """EAGLE's loss: smooth-L1 on the predicted feature + p_weight x cross-entropy against the target's
-    next-token distribution. With `steps` > 1, the training-time test of HASS / EAGLE-3: the loss of unrolled
-    pass k (the head on its own predictions, k deep) is added at weight 0.8^k. Stats: `v`, `p`, `top1` of the
+    next-token distribution (`lm_head` of the target feature, over the draft vocabulary if the head has one).
+    An EAGLE-3 head's output is no target feature, so its loss is the cross-entropy alone, of its own lm_head.
+    With `steps` > 1, the training-time test of HASS / EAGLE-3: the loss of unrolled pass k (the head on its
+    own predictions, k deep) is added at weight 0.8^k. Stats: `v` (EAGLE-1/2), `p`, `top1` of the
     teacher-forced pass; `top1_k` of pass k - 1 (agreement with the target k nodes deep)."""
+    own_output = isinstance(head, Eagle3Head)
     tokens, inputs, targets, scored = batch
     if noise > 0:
         inputs = inputs + torch.randn_like(inputs) * noise * inputs.pow(2).mean().sqrt()
@@ -293,22 +363,28 @@ def head_loss(head: EagleHead, embed, lm_head, batch, noise: float = 0.0, p_weig
         with torch.no_grad():
             target_probs = torch.softmax(lm_head(targets[:, step:][counted]), dim=-1)
         predicted = hidden[counted].float()
-        v_loss = F.smooth_l1_loss(predicted, targets[:, step:][counted])
-        logp = torch.log_softmax(lm_head(predicted), dim=-1)
+        logits = head.draft_logits(predicted, None)[0].float() if own_output else lm_head(predicted)
+        logp = torch.log_softmax(logits, dim=-1)
         p_loss = -(target_probs * logp).sum(-1).mean()
         top1 = (logp.argmax(-1) == target_probs.argmax(-1)).float().mean().item()
-        total = total + 0.8 ** step * (v_loss + p_weight * p_loss)
-        deep = {"v": v_loss.item(), "p": p_loss.item(), "top1": top1} if step == 0 else {f"top1_{step + 1}": top1}
+        if own_output:
+            total = total + 0.8 ** step * p_loss
+            deep = {"p": p_loss.item()}
+        else:
+            v_loss = F.smooth_l1_loss(predicted, targets[:, step:][counted])
+            total = total + 0.8 ** step * (v_loss + p_weight * p_loss)
+            deep = {"v": v_loss.item(), "p": p_loss.item()}
+        deep = {**deep, "top1": top1} if step == 0 else {f"top1_{step + 1}": top1}
         stats.update(deep)
     return total, stats
 
 
 def training_items(model, sequences: list[TrainingSequence], feature_dir: Path, loss_on: str, validation: int,
-                   seed: int = 0) -> tuple[list[_Item], list[_Item]]:
-    """The sequences with their target features (cached in `feature_dir`) and scored pairs, split into training
-    and `validation` held-out items; a sequence with nothing to score (e.g. cut off before its first response
-    token) is left out of both."""
-    loaded = _load_shards(cache_features(model, [s.ids for s in sequences], feature_dir))
+                   seed: int = 0, layers: tuple[int, ...] = (-1,)) -> tuple[list[_Item], list[_Item]]:
+    """The sequences with their target features (of `layers`, cached in `feature_dir`) and scored pairs, split
+    into training and `validation` held-out items; a sequence with nothing to score (e.g. cut off before its
+    first response token) is left out of both."""
+    loaded = _load_shards(cache_features(model, [s.ids for s in sequences], feature_dir, layers=layers))
     items = [_Item(ids, feats, scored_pairs(s.response, loss_on))
              for (ids, feats), s in zip(loaded, sequences, strict=True)]
     items = [item for item in items if item.scored.any()]
@@ -335,17 +411,23 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         raise CastspecError(f"--unroll must be at least 1 (1: EAGLE's teacher-forced loss), got {cfg.unroll}")
     if cfg.init and cfg.layer_init != "random":
         raise CastspecError("--init starts from a trained head's weights: leave out --layer-init")
+    if cfg.arch not in ARCH:
+        raise CastspecError(f"--arch must be one of {', '.join(ARCH)}, got {cfg.arch!r}")
+    if cfg.arch == "eagle3" and cfg.layer_init != "random":
+        raise CastspecError("--layer-init target copies a layer into an EAGLE-1/2 head; an EAGLE-3 head's layer "
+                            "reads [embedding ; feature] (twice as wide): leave out --layer-init")
+    if cfg.arch == "eagle3" and not cfg.init and not cfg.draft_vocab:
+        raise CastspecError("an EAGLE-3 head has its own lm_head over a draft vocabulary: give --draft-vocab N "
+                            "(e.g. 16384 or 32000)")
     sequences = training_sequences(tokenizer, conversations, cfg.max_length)
-    train_items, held_out = training_items(model, sequences, feature_dir, cfg.loss_on, cfg.validation, cfg.seed)
+    layers = feature_layers(cfg.arch, model)
+    train_items, held_out = training_items(model, sequences, feature_dir, cfg.loss_on, cfg.validation, cfg.seed,
+                                           layers)
     if not train_items:
         raise CastspecError("no training sequences left after the validation split: use more --conversations")
+    target_width = model.config.hidden_size if cfg.arch == "eagle3" else None
     torch.manual_seed(cfg.seed)
-    if cfg.init:
-        head = _starting_head(cfg, model)
-    else:
-        head = head_from_target_layer(model) if cfg.layer_init == "target" else EagleHead(head_config(model))
-        if cfg.draft_vocab:
-            head.restrict_vocabulary(draft_vocabulary(sequences, cfg.draft_vocab))
+    head = _new_head(cfg, model, sequences)
     # a bf16 target trains its head under bf16 autocast (fp32 master weights): the lm_head over the whole vocabulary
     # is most of a step's work, and on a CPU with bf16 units bf16 matmuls are several times faster than fp32
     low_precision = next(model.parameters()).dtype == torch.bfloat16
@@ -390,7 +472,8 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
     def validate() -> dict:
         head.eval()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
-            _, stats = head_loss(head, embed, lm_head, _batch(held_out), 0.0, cfg.p_weight, max(2, cfg.unroll))
+            _, stats = head_loss(head, embed, lm_head, _batch(held_out, target_width), 0.0, cfg.p_weight,
+                                 max(2, cfg.unroll))
         head.train()
         return stats
 
@@ -404,8 +487,8 @@ def train(model, tokenizer, conversations: list[list[dict]], out: Path, feature_
         random.Random(cfg.seed + epoch).shuffle(epoch_order)  # the same order again after a resume
         chosen = epoch_order[index * cfg.batch_size: (index + 1) * cfg.batch_size]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low_precision):
-            loss, stats = head_loss(head, embed, lm_head, _batch([train_items[i] for i in chosen]), cfg.noise,
-                                    cfg.p_weight, cfg.unroll)
+            batch = _batch([train_items[i] for i in chosen], target_width)
+            loss, stats = head_loss(head, embed, lm_head, batch, cfg.noise, cfg.p_weight, cfg.unroll)
         optimiser.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)

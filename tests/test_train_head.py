@@ -164,6 +164,7 @@ def test_feature_cache_reuses_shards_of_data_that_grew(smollm, tmp_path):
     stamps = [shard.stat().st_mtime_ns for shard in first]
     grown = cache_features(model, seqs, tmp_path, shard_size=2)
     assert len(grown) == 3 and grown[0].stat().st_mtime_ns == stamps[0] and grown[1].stat().st_mtime_ns != stamps[1]
+    grown_stamps = [shard.stat().st_mtime_ns for shard in grown]
     for index, shard in enumerate(grown):
         data = load_file(str(shard))
         for row, seq in enumerate(seqs[2 * index: 2 * index + 2]):
@@ -171,6 +172,16 @@ def test_feature_cache_reuses_shards_of_data_that_grew(smollm, tmp_path):
                 want = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
             assert data["ids"][row, : len(seq)].tolist() == seq
             torch.testing.assert_close(data["features"][row, : len(seq)].float(), want, atol=2e-2, rtol=2e-2)
+    # EAGLE-3's fused layers (+ the last) are another width: nothing cached at one width is taken for the other
+    layers = (2, 15, -1)
+    fused = cache_features(model, seqs, tmp_path, shard_size=2, layers=layers)
+    assert all(a.stat().st_mtime_ns != b for a, b in zip(fused, grown_stamps, strict=True))
+    data = load_file(str(fused[0]))
+    with torch.no_grad():
+        out = model(torch.tensor([seqs[0]]), output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+    assert data["features"].shape[-1] == 3 * model.config.hidden_size
+    torch.testing.assert_close(data["features"][0, : len(seqs[0])].float(), want, atol=3e-2, rtol=2e-2)
 
 
 def test_held_out_sequences_stay_unseen_as_the_data_grows():
@@ -254,3 +265,43 @@ def test_head_from_the_targets_last_layer(smollm, smollm_reference, conversation
     with pytest.raises(CastspecError, match="--unroll"):
         train(model, tokenizer, conversations, tmp_path / "y", tmp_path / "features",
               dataclasses.replace(TINY, unroll=0))
+
+
+def test_eagle3_head_trains_saves_in_its_layout_and_decodes_exactly(smollm, smollm_reference, conversations,
+                                                                     tmp_path):
+    """--arch eagle3: a head over the target's low / middle / high layers with its own lm_head (started from the
+    target's rows of the draft vocabulary) learns with the cross-entropy alone, is written in the EAGLE-3 layout
+    (midlayer.*, d2t, t2d, eagle_aux_hidden_state_layer_ids) that the loader reads back with the same layers,
+    and drafts losslessly with chain, EAGLE-2 and CAST trees; misuse is refused."""
+    from synthetic import flat_costs
+
+    from castspec import Engine
+    from castspec.cast import CastPolicy
+    from castspec.drafters.eagle_head import Eagle3Head, EagleHeadDrafter
+    from castspec.policies import ChainPolicy, Eagle2Policy
+
+    model, tokenizer = smollm
+    cfg = dataclasses.replace(TINY, arch="eagle3", draft_vocab=50, unroll=2)
+    result = train(model, tokenizer, conversations, tmp_path / "head", tmp_path / "features", cfg)
+    history = json.loads((tmp_path / "head" / "training.json").read_text())["history"]
+    assert history[-1]["loss"] < history[0]["loss"] and set(result["validation"]) == {"p", "top1", "top1_2"}
+    saved = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26] and saved["draft_vocab_size"] == 50
+    head = load_eagle_head(str(tmp_path / "head"), model)
+    assert isinstance(head, Eagle3Head) and head.feature_layers == (2, 15, 27) and len(head.draft_ids) == 50
+    assert int(head.t2d.sum()) == 50 and head.t2d[head.draft_ids].all()
+    for policy in (ChainPolicy(3), Eagle2Policy(4, 3, 12), CastPolicy(flat_costs(), 4.0, 3.0, 2.5, 8, 5, 8)):
+        engine = Engine(model, tokenizer, EagleHeadDrafter(head, model), policy)
+        ids = [engine.encode(prompt=p) for p in ("def add(a, b):", "The capital of France is")]
+        for got, prompt_ids in zip(engine.generate_batch(prompt_ids=ids, max_new_tokens=20), ids, strict=True):
+            assert got.output_ids == smollm_reference(tuple(prompt_ids), 20), policy.name
+    tuned = dataclasses.replace(cfg, draft_vocab=0, epochs=1, init=str(tmp_path / "head"))
+    train(model, tokenizer, conversations, tmp_path / "tuned", tmp_path / "features", tuned)
+    assert json.loads((tmp_path / "tuned" / "training.json").read_text())["history"][0]["loss"] < history[0]["loss"]
+    features = tmp_path / "features"
+    for wrong, message in ((dataclasses.replace(cfg, draft_vocab=0), "--draft-vocab"),
+                           (dataclasses.replace(cfg, layer_init="target"), "--layer-init"),
+                           (dataclasses.replace(tuned, arch="eagle"), "--arch eagle3"),
+                           (dataclasses.replace(cfg, arch="eagle4"), "--arch")):
+        with pytest.raises(CastspecError, match=message):
+            train(model, tokenizer, conversations, tmp_path / wrong.arch / str(wrong.draft_vocab), features, wrong)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from castspec.api import encode_text
 from castspec.cli import _conversations, _data_name
-from castspec.drafters.eagle_head import load_eagle_head
+from castspec.drafters.eagle_head import Eagle3Head, eagle3_feature_layers, load_eagle_head
 from castspec.models import castspec_home, load_model
 from castspec.prompts import PROMPT_SETS, load_prompt_set
 from castspec.train_head import (
@@ -41,30 +41,37 @@ def main() -> None:
     model, tokenizer = load_model(TARGET, "bf16")
     if data.endswith(".json"):
         sequences = _benchmark_outputs(tokenizer, json.loads(Path(data).read_text()))
-        features = castspec_home() / "features" / f"{TARGET}-bf16-{Path(data).stem}-ar"
+        features = castspec_home() / "features" / f"{TARGET}-bf16-{Path(data).stem}-ar-eagle3"
     else:
         sequences = training_sequences(tokenizer, _conversations(data, 600), max_length)
-        features = castspec_home() / "features" / f"{TARGET}-bf16-{_data_name(data)}-x{max_length}"
+        features = castspec_home() / "features" / f"{TARGET}-bf16-{_data_name(data)}-x{max_length}-eagle3"
     # benchmark outputs are all evaluated; training data only where train-head's defaults hold it out
     benchmark = data.endswith(".json")
-    rest, held = training_items(model, sequences, features, "responses", 0 if benchmark else 24)
+    # EAGLE-3's three layers and the last one: what either kind of head reads, and the target's own choice
+    layers = (*eagle3_feature_layers(model.config.num_hidden_layers), -1)
+    rest, held = training_items(model, sequences, features, "responses", 0 if benchmark else 24, layers=layers)
     held = rest if benchmark else held
-    tokens, inputs, targets, scored = _batch(held)
-    lm_head = model.get_output_embeddings().weight.detach()
+    d = model.config.hidden_size
+    tokens, inputs, targets, scored = _batch(held)  # every layer on both sides: each kind of head takes its own
+    inputs_of = {True: inputs[..., :-d], False: inputs[..., -d:]}  # EAGLE-3's fused layers, or the last one
+    targets = targets[..., -d:]
+    lm_module = model.get_output_embeddings()
+    lm_head = lm_module.weight.detach()
     embed = model.get_input_embeddings().weight.detach().float()
     results = []
     for source in heads:
         head = load_eagle_head(source, model, dtype=torch.float32)
         ids = head.draft_ids
-        rows = lm_head if ids is None else lm_head[ids]
+        fused = isinstance(head, Eagle3Head)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            passes = unrolled_passes(head, F.embedding(tokens, embed), inputs, 2)
+            passes = unrolled_passes(head, F.embedding(tokens, embed), inputs_of[fused], 2)
         result = {"head": source, "draft_vocabulary": None if ids is None else len(ids),
                   "sequences": len(held)}
         for depth, hidden in enumerate(passes, 1):
             counted = scored[:, depth - 1:]
             want = F.linear(targets[:, depth - 1:][counted].to(lm_head.dtype), lm_head).argmax(-1)
-            best = F.linear(hidden[counted].to(lm_head.dtype), rows).argmax(-1)
+            with torch.no_grad():
+                best = head.draft_logits(hidden[counted].float(), lm_module)[0].argmax(-1)
             got = best if ids is None else ids[best]
             result[f"agree_{depth}"] = round((got == want).float().mean().item(), 4)
             result[f"target_token_in_vocabulary_{depth}"] = 1.0 if ids is None else round(

@@ -143,6 +143,11 @@ class Eagle3Head(nn.Module):
         hidden = hidden + attended
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """The target ids of the draft vocabulary."""
+        return _target_ids(self)
+
     def draft_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits over the draft vocabulary, its target ids)."""
         return self.lm_head(self.norm(hidden)), _target_ids(self)
@@ -150,6 +155,14 @@ class Eagle3Head(nn.Module):
     def logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Target-vocabulary logits: tokens outside the draft vocabulary get -inf (probability 0)."""
         return in_target_vocabulary(*self.draft_logits(hidden, target_lm_head), self.t2d.shape[0])
+
+
+def eagle3_feature_layers(target_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default low / middle / high features: the hidden states entering layers 2, L/2 and L-3
+    (outputs of the layer before each); in `transformers`' hidden_states tuple (entry 0 = embeddings) that is
+    index i for "entering layer i". A checkpoint's config names them as `eagle_aux_hidden_state_layer_ids`,
+    counted from 0 for the output of layer 0, i.e. index - 1."""
+    return 2, target_layers // 2, target_layers - 3
 
 
 def _target_ids(head: EagleHead | Eagle3Head) -> torch.Tensor | None:
@@ -252,11 +265,8 @@ def _eagle3(source: str, config: LlamaConfig, weights: dict, target_model, targe
     for key in ("d2t", "lm_head.weight"):
         if key not in weights:
             raise CastspecError(f"the EAGLE-3 head {source} has no {key}")
-    layers_total = target_model.config.num_hidden_layers
     aux = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
-    # EAGLE-3 reads the hidden states entering layers 2, L/2 and L-3 (outputs of the layer before each); in
-    # `transformers`' hidden_states tuple (entry 0 = embeddings) that is index i for "entering layer i"
-    layers = tuple(i + 1 for i in aux) if aux else (2, layers_total // 2, layers_total - 3)
+    layers = tuple(i + 1 for i in aux) if aux else eagle3_feature_layers(target_model.config.num_hidden_layers)
     fc = weights["fc.weight"]
     if fc.shape[1] != len(layers) * target_hidden:
         raise CastspecError(f"the EAGLE-3 head {source} fuses features of width {fc.shape[1]}; this target gives "
@@ -283,8 +293,9 @@ def _eagle3(source: str, config: LlamaConfig, weights: dict, target_model, targe
     return head
 
 
-def save_eagle_head(head: EagleHead, directory: Path, extra: dict | None = None) -> None:
-    """Write the head in the EAGLE layout (no embeddings, no lm_head: both are the target's)."""
+def save_eagle_head(head: EagleHead | Eagle3Head, directory: Path, extra: dict | None = None) -> None:
+    """Write the head in the EAGLE layout (no embeddings, no lm_head: both are the target's), or an EAGLE-3
+    head in the EAGLE-3 layout (its own lm_head, d2t, t2d; the target's embeddings)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
