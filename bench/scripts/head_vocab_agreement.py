@@ -22,12 +22,13 @@ import torch.nn.functional as F
 
 from castspec.api import encode_text
 from castspec.cli import _conversations, _data_name
-from castspec.drafters.eagle_head import Eagle3Head, eagle3_feature_layers, load_eagle_head
+from castspec.drafters.eagle_head import Eagle3Head, load_eagle_head
 from castspec.models import castspec_home, load_model
 from castspec.prompts import PROMPT_SETS, load_prompt_set
 from castspec.train_head import (
     TrainingSequence,
     _batch,
+    feature_layers,
     training_items,
     training_sequences,
     unrolled_passes,
@@ -48,7 +49,7 @@ def main() -> None:
     # benchmark outputs are all evaluated; training data only where train-head's defaults hold it out
     benchmark = data.endswith(".json")
     # EAGLE-3's three layers and the last one: what either kind of head reads, and the target's own choice
-    layers = (*eagle3_feature_layers(model.config.num_hidden_layers), -1)
+    layers = feature_layers("eagle3", model)
     rest, held = training_items(model, sequences, features, "responses", 0 if benchmark else 24, layers=layers)
     held = rest if benchmark else held
     d = model.config.hidden_size
