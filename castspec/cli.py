@@ -148,7 +148,8 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--batch-sizes", default="1,2,4,8")
     prof.add_argument("--contexts", default="128,256,512,1024,2048")
     prof.add_argument("--max-tokens", type=int, default=64)
-    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument("--repeats", type=int, default=3,
+                      help="passes over the whole grid, each in a new random order; each point keeps its median")
     prof.add_argument("--dtype", default="bf16")
     prof.add_argument("--device", default="cpu")
     prof.add_argument("--out", help="where to write the table (JSON)")
@@ -528,11 +529,11 @@ def _ensure_cost_table(target, target_source: str, draft, draft_source: str) -> 
         return
     print("castspec demo: no cost table for this pair on this machine yet: profiling one (about a minute) ...",
           flush=True)
-    repeats = 3
-    timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, repeats),
-              "draft": lambda b, c, n: cost.time_forward(draft, b, c, n, repeats)}
-    meta = _table_meta(target, target_source, "bf16", repeats, "castspec demo", draft, draft_source)
-    table = _measure_table(target, timers, [1], [128, 512], cost.token_grid(32), meta)
+    passes = 3
+    timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, repeats=1),
+              "draft": lambda b, c, n: cost.time_forward(draft, b, c, n, repeats=1)}
+    meta = _table_meta(target, target_source, "bf16", passes, "castspec demo", draft, draft_source)
+    table = _measure_table(target, timers, [1], [128, 512], cost.token_grid(32), meta, passes)
     name = re.sub(r"[^\w.-]+", "_", f"demo-{Path(target_source).name}-{Path(draft_source).name}-bf16-b1")
     table.save(castspec_home() / "costs" / f"{name}.json")
     print(f"castspec demo: cost table saved to {castspec_home() / 'costs' / name}.json", flush=True)
@@ -559,6 +560,8 @@ def _cmd_profile(args) -> None:
         cost.plot_table(table, args.plot[1])
         print(args.plot[1])
         return
+    if args.repeats < 1:
+        raise CastspecError(f"--repeats must be at least 1, got {args.repeats}")
     if args.validate:
         table = cost.CostTable.load(args.validate)
         model = args.model or table.meta["target"].get("source")
@@ -575,18 +578,21 @@ def _cmd_profile(args) -> None:
                                 and drafter.startswith("eagle-head:") else None)
     target, _ = load_model(model, dtype, args.device)
     draft_model = load_model(draft, dtype, args.device)[0] if draft and not head_source else None
-    timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, args.repeats)}
+    # a profile times one forward per call and repeats the whole grid in random passes (measure_grids); a
+    # validation point is timed once, so it takes the median of three forwards
+    per_call = 3 if args.validate else 1
+    timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, per_call)}
     if head_source:
         from castspec.api import drafter_identity
         from castspec.drafters.eagle_head import load_eagle_head
 
         head = load_eagle_head(head_source, target)
         drafter = drafter_identity(None, head_source)
-        timers["draft"] = lambda b, c, n: cost.time_head(head, target, b, c, n, args.repeats)
+        timers["draft"] = lambda b, c, n: cost.time_head(head, target, b, c, n, per_call)
     elif draft_model is not None:
-        timers["draft"] = lambda b, c, n: cost.time_forward(draft_model, b, c, n, args.repeats)
+        timers["draft"] = lambda b, c, n: cost.time_forward(draft_model, b, c, n, per_call)
     elif drafter == "ngram":
-        timers["draft"] = lambda b, c, n: cost.time_ngram(n * b, c, args.repeats)
+        timers["draft"] = lambda b, c, n: cost.time_ngram(n * b, c, per_call)
 
     if args.validate:
         expected = cost.setup_key(target)
@@ -623,7 +629,7 @@ def _cmd_profile(args) -> None:
         meta["draft"] = {"drafter": drafter, "model": drafter, "device": cost.device_name(torch_device(args.device))}
         if head_source:
             meta["draft"]["source"] = head_source
-    _measure_table(target, timers, batch_sizes, contexts, tokens, meta).save(args.out)
+    _measure_table(target, timers, batch_sizes, contexts, tokens, meta, args.repeats).save(args.out)
     print(args.out)
 
 
@@ -639,8 +645,10 @@ def _table_meta(target, target_source: str, dtype: str, repeats: int, command: s
     return meta
 
 
-def _measure_table(target, timers: dict, batch_sizes: list[int], contexts: list[int], tokens: list[int], meta: dict):
-    """A cost table: every timer ('target', and 'draft' if given) measured on the grid, with a progress bar."""
+def _measure_table(target, timers: dict, batch_sizes: list[int], contexts: list[int], tokens: list[int], meta: dict,
+                   passes: int):
+    """A cost table: every timer ('target', and 'draft' if given) measured on the grid in `passes` interleaved
+    passes, with a progress bar."""
     from tqdm import tqdm
 
     from castspec import cost
@@ -648,11 +656,10 @@ def _measure_table(target, timers: dict, batch_sizes: list[int], contexts: list[
     limit = getattr(target.config, "max_position_embeddings", None)
     if limit and contexts[-1] + tokens[-1] > limit:
         raise CastspecError(f"context {contexts[-1]} + {tokens[-1]} tokens exceeds the model's window {limit}")
-    bar = tqdm(total=len(batch_sizes) * len(contexts) * len(tokens) * len(timers), desc="profile", unit="pt")
-    grids = {}
-    for which, timer in timers.items():
-        grids[which] = cost.measure_grid(timer, batch_sizes, contexts, tokens,
-                                         lambda msg, w=which: (bar.set_postfix_str(f"{w} {msg}"), bar.update()))
+    bar = tqdm(total=len(batch_sizes) * len(contexts) * len(tokens) * len(timers) * passes, desc="profile",
+               unit="pt")
+    grids = cost.measure_grids(timers, batch_sizes, contexts, tokens, passes,
+                               lambda msg: (bar.set_postfix_str(msg), bar.update()))
     bar.close()
     return cost.CostTable(meta, grids["target"], grids.get("draft"))
 

@@ -331,30 +331,33 @@ def time_ngram(tokens: int, context: int, repeats: int = 3) -> float:
 Timer = Callable[[int, int, int], float]
 
 
-def measure_grid(timer: Timer, batch_sizes: list[int], contexts: list[int], tokens: list[int],
-                 progress: Callable[[str], None] | None = None, outlier_ratio: float = 1.3) -> CostGrid:
-    """Measure every grid point; then re-measure (once) each point that is over `outlier_ratio` times the
-    median of the same (B, n) across contexts, keeping the lower value: on a shared machine a burst of load
-    elsewhere can slow all repeats of one point, and the running maximum would carry that to larger contexts."""
-    seconds = []
-    for b in batch_sizes:
-        plane = []
-        for c in contexts:
-            row = []
-            for n in tokens:
-                row.append(timer(b, c, n))
-                if progress:
-                    progress(f"B={b} c={c} n={n}: {row[-1] * 1e3:.1f} ms")
-            plane.append(row)
-        seconds.append(plane)
-    for bi, b in enumerate(batch_sizes):
-        for ni, n in enumerate(tokens):
-            column = [seconds[bi][ci][ni] for ci in range(len(contexts))]
-            typical = statistics.median(column)
-            for ci, c in enumerate(contexts):
-                if len(contexts) >= 3 and column[ci] > outlier_ratio * typical:
-                    seconds[bi][ci][ni] = min(column[ci], timer(b, c, n))
-    return CostGrid(list(batch_sizes), list(contexts), list(tokens), seconds)
+def measure_grids(timers: dict[str, Timer], batch_sizes: list[int], contexts: list[int], tokens: list[int],
+                  passes: int = 3, progress: Callable[[str], None] | None = None,
+                  seed: int = 0) -> dict[str, CostGrid]:
+    """Time every grid point of every timer once per pass, each pass in a fresh random order over all timers
+    and points, and keep each point's median over the passes. Measuring a point's repeats back to back lets a
+    burst of load elsewhere, or a slow first call after the previous shape, shift that point (or a run of its
+    neighbours) as a whole; spread over passes, such a slowdown hits one pass of scattered points and the median
+    drops it. Interleaving the timers puts the target's and the drafter's curves under the same conditions."""
+    if passes < 1:
+        raise CastspecError(f"profiling needs at least one pass, got {passes}")
+    points = [(which, bi, ci, ni) for which in timers for bi in range(len(batch_sizes))
+              for ci in range(len(contexts)) for ni in range(len(tokens))]
+    samples: dict[tuple[str, int, int, int], list[float]] = {p: [] for p in points}
+    rng = random.Random(seed)
+    for k in range(passes):
+        order = list(points)
+        rng.shuffle(order)
+        for which, bi, ci, ni in order:
+            b, c, n = batch_sizes[bi], contexts[ci], tokens[ni]
+            samples[which, bi, ci, ni].append(timers[which](b, c, n))
+            if progress:
+                progress(f"pass {k + 1}/{passes} {which} B={b} c={c} n={n}: "
+                         f"{samples[which, bi, ci, ni][-1] * 1e3:.1f} ms")
+    return {which: CostGrid(list(batch_sizes), list(contexts), list(tokens),
+                            [[[statistics.median(samples[which, bi, ci, ni]) for ni in range(len(tokens))]
+                              for ci in range(len(contexts))] for bi in range(len(batch_sizes))])
+            for which in timers}
 
 
 def token_grid(max_tokens: int) -> list[int]:

@@ -33,6 +33,12 @@ def test_bad_generate_input(capsys, args, message):
     assert code == 2 and message in err and "Traceback" not in err
 
 
+def test_profile_refuses_zero_passes_before_loading_anything(capsys):
+    code = main(["profile", "--model", "./no/such/model", "--out", "/tmp/never.json", "--repeats", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--repeats must be at least 1" in err and "Traceback" not in err
+
+
 def test_missing_model_directory(capsys):
     assert main(["generate", "--model", "./no/such/model", "--method", "ar", "--prompt", "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err

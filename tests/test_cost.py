@@ -118,19 +118,38 @@ def test_quick_profile_of_smollm_gives_a_loadable_table(tmp_path, capsys):
     assert "median_ape" in CostTable.load(out).validation["target"]
 
 
-def test_a_point_slowed_by_a_load_burst_is_measured_again():
-    from castspec.cost import measure_grid
+def test_profile_passes_interleave_timers_in_random_orders_and_keep_medians():
+    from castspec.cost import measure_grids
 
     calls = []
 
-    def timer(b, c, n):
-        calls.append((b, c, n))
-        burst = (c, n) == (512, 8) and calls.count((b, c, n)) == 1
-        return (0.1 + 0.01 * n) * (3.0 if burst else 1.0)
+    def timer(which):
+        def run(b, c, n):
+            calls.append((which, b, c, n))
+            # a burst of load during the first pass slows everything measured in it
+            burst = 3.0 if len(calls) <= 12 else 1.0
+            return (0.1 + 0.01 * n + 1e-4 * c) * burst * (1.0 if which == "target" else 0.5)
+        return run
 
-    grid = measure_grid(timer, [1], [128, 512, 2048], [1, 4, 8])
-    assert calls.count((1, 512, 8)) == 2 and len(calls) == 10
-    assert grid.seconds[0][1][2] == pytest.approx(0.18)
+    grids = measure_grids({"target": timer("target"), "draft": timer("draft")}, [1, 2], [128, 512], [1, 4, 8],
+                          passes=3)
+    points = {(w, b, c, n) for w in ("target", "draft") for b in (1, 2) for c in (128, 512) for n in (1, 4, 8)}
+    assert len(calls) == 3 * 24 and set(calls) == points and all(calls.count(p) == 3 for p in points)
+    passes = [calls[i * 24:(i + 1) * 24] for i in range(3)]
+    assert passes[0] != passes[1] != passes[2]
+    assert {w for w, *_ in passes[0][:8]} == {"target", "draft"}  # the two models alternate, not one after the other
+    for which, scale in (("target", 1.0), ("draft", 0.5)):
+        for bi in range(2):
+            for ci, c in enumerate((128, 512)):
+                for ni, n in enumerate((1, 4, 8)):
+                    assert grids[which].seconds[bi][ci][ni] == pytest.approx((0.1 + 0.01 * n + 1e-4 * c) * scale)
+
+
+def test_profile_needs_a_pass():
+    from castspec.cost import measure_grids
+
+    with pytest.raises(CastspecError, match="at least one pass"):
+        measure_grids({"target": lambda b, c, n: 0.1}, [1], [128], [1], passes=0)
 
 
 def test_isotonic_fit_averages_an_outlier_instead_of_carrying_it():
