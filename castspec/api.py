@@ -13,6 +13,7 @@ from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter, check_compatible
 from castspec.drafters.eagle_head import EagleHeadDrafter, load_eagle_head
 from castspec.drafters.ngram import NgramDrafter
+from castspec.drafters.with_ngram import NgramAugmentedDrafter
 from castspec.engine import StepStats, StopCondition, decode
 from castspec.errors import CastspecError
 from castspec.models import castspec_home, load_model
@@ -141,7 +142,7 @@ class Engine:
     @classmethod
     def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
              dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
-             head: str | None = None, **policy_options) -> Engine:
+             head: str | None = None, with_ngram: bool = False, **policy_options) -> Engine:
         if method not in METHODS:
             raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         if method != "ar" and draft is None and drafter is None and head is None:
@@ -149,6 +150,9 @@ class Engine:
                                 "--drafter ngram")
         if sum(x is not None for x in (draft, drafter, head)) > 1:
             raise CastspecError("give one drafter: a draft model, an EAGLE head or --drafter, not several")
+        if with_ngram and draft is None and head is None:
+            raise CastspecError("with_ngram merges n-gram proposals into a draft model's or an EAGLE head's trees: "
+                                "give --draft or --head too (--drafter ngram alone is the n-gram drafter)")
         if drafter is not None and drafter not in DRAFTERS:
             raise CastspecError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)} "
                                 "(or pass a draft model with --draft)")
@@ -171,6 +175,8 @@ class Engine:
                 chosen = EagleHeadDrafter(load_eagle_head(head, target_model), target_model)
             else:
                 chosen = DraftModelDrafter(draft_model) if draft_model is not None else NgramDrafter()
+            if with_ngram:
+                chosen = NgramAugmentedDrafter(chosen)
         return cls(target_model, tokenizer, chosen, policy)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

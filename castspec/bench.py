@@ -21,6 +21,7 @@ from castspec.cost import device_name, setup_key
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
 from castspec.drafters.ngram import NgramDrafter
+from castspec.drafters.with_ngram import NgramAugmentedDrafter
 from castspec.errors import CastspecError
 from castspec.sampling import SamplingParams
 
@@ -29,7 +30,7 @@ from castspec.sampling import SamplingParams
 class MethodSpec:
     label: str
     method: str  # ar | chain | eagle2 | hf-assisted | hf-prompt-lookup
-    drafter: str | None = None  # "draft" | "ngram"
+    drafter: str | None = None  # one of ITEM_DRAFTERS
     options: dict = field(default_factory=dict)
 
 
@@ -37,8 +38,9 @@ HF_METHODS = ("hf-assisted", "hf-prompt-lookup")
 METHOD_OPTIONS = {"ar": (), "chain": ("chain_length",), "eagle2": ("top_k", "depth", "total_tokens"),
                   "cast": ("auto", "calibrate", "cast_c1", "cast_c2", "cast_c3", "cast_r", "cast_max_depth",
                            "cast_top_k")}
-DRAFTER_OPTIONS = {"ngram": ("max_n", "min_n")}  # method-item options that configure the drafter, not the policy
-ITEM_DRAFTERS = ("draft", "ngram", "head")
+# method-item options that configure the drafter, not the policy
+DRAFTER_OPTIONS = {"ngram": ("max_n", "min_n"), "draft+ngram": ("max_n", "min_n"), "head+ngram": ("max_n", "min_n")}
+ITEM_DRAFTERS = ("draft", "ngram", "head", "draft+ngram", "head+ngram")
 
 
 def _parse_item(item: str) -> MethodSpec:
@@ -68,7 +70,7 @@ def _parse_item(item: str) -> MethodSpec:
     if method in ("chain", "eagle2", "cast") and drafter is None:
         raise CastspecError(f"method item {item!r}: {method} needs a drafter, e.g. {method}:ngram or {method}:draft")
     spec = MethodSpec(item, method, drafter, options)
-    if drafter == "ngram":
+    if drafter is not None and drafter.endswith("ngram"):
         try:
             NgramDrafter(**drafter_options(spec))
         except CastspecError as e:
@@ -130,28 +132,31 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
     """One runner per method. `head`: (EagleHead, its source) for the methods whose drafter is 'head'."""
     runners = {}
     for spec in specs:
-        needs = {"draft": draft_model, "head": head}
+        needs = {"draft": draft_model, "head": head, "draft+ngram": draft_model, "head+ngram": head}
         if spec.method == "hf-assisted" and draft_model is None:
             raise CastspecError("hf-assisted needs a draft model (--draft)")
         if spec.method not in ("ar", "hf-prompt-lookup") and spec.drafter in needs and needs[spec.drafter] is None:
-            raise CastspecError(f"{spec.label} drafts with a {spec.drafter}, and none was given "
-                                f"(--{spec.drafter} ...)")
+            model = spec.drafter.removesuffix("+ngram")
+            raise CastspecError(f"{spec.label} drafts with a {model}, and none was given (--{model} ...)")
         if spec.method.startswith("hf-"):
             runners[spec.label] = _HfBaseline(target_model, tokenizer, spec.method, draft_model)
             continue
         costs = None
         if spec.method == "cast":
-            drafter_id = drafter_identity(draft_model if spec.drafter == "draft" else None,
-                                          head[1] if spec.drafter == "head" else None)
+            # the n-gram lookups cost microseconds: a merged drafter is priced by its model drafter's table
+            drafter_id = drafter_identity(draft_model if spec.drafter.startswith("draft") else None,
+                                          head[1] if spec.drafter.startswith("head") else None)
             costs = find_cost_table(setup_key(target_model), drafter_id)
         policy = make_policy(spec.method, **policy_options(spec, costs))
         drafter = None
         if policy is not None:
-            if spec.drafter == "head":
+            if spec.drafter.startswith("head"):
                 drafter = EagleHeadDrafter(head[0], target_model)
-            else:
-                drafter = (DraftModelDrafter(draft_model) if spec.drafter == "draft"
-                           else NgramDrafter(**drafter_options(spec)))
+            elif spec.drafter.startswith("draft"):
+                drafter = DraftModelDrafter(draft_model)
+            if spec.drafter.endswith("ngram"):
+                ngram = NgramDrafter(**drafter_options(spec))
+                drafter = ngram if drafter is None else NgramAugmentedDrafter(drafter, ngram)
         runners[spec.label] = Engine(target_model, tokenizer, drafter, policy)
     return runners
 

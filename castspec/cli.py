@@ -73,6 +73,8 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--draft", help="draft model (same tokenizer as the target)")
     src.add_argument("--drafter", help="a model-free drafter: ngram")
     src.add_argument("--head", help="EAGLE-1/2 draft head: a directory (config.json + weights) or hub id")
+    gen.add_argument("--with-ngram", action="store_true",
+                     help="merge n-gram (prompt lookup) proposals into the --draft or --head drafter's trees")
     gen.add_argument("--method", default="eagle2", help="ar | chain | eagle2 (default eagle2)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
@@ -93,8 +95,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model ('none': no draft model)")
     bench.add_argument("--head", help="EAGLE head for the methods whose drafter is 'head'")
     bench.add_argument("--methods", default=DEMO_METHODS,
-                       help="';'-separated METHOD[:draft|ngram|head][:k=v,...] items, plus hf-assisted, "
-                            "hf-prompt-lookup; ngram items also take max_n and min_n (the n-gram sizes looked up)")
+                       help="';'-separated METHOD[:draft|ngram|head|draft+ngram|head+ngram][:k=v,...] items, plus "
+                            "hf-assisted, hf-prompt-lookup; ngram items also take max_n and min_n (the n-gram "
+                            "sizes looked up); X+ngram merges n-gram proposals into X's trees")
     bench.add_argument("--sets", default="mtbench,humaneval,gsm8k")
     bench.add_argument("--per-set", type=int, default=4, help="prompts taken from each set")
     bench.add_argument("--offset", type=int, default=0, help="skip this many prompts of each set (tuning splits)")
@@ -239,7 +242,7 @@ def _cmd_generate(args) -> None:
                        cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto",
                        cast_calibrate=args.cast_calibration == "on")
     engine = Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, head=args.head,
-                         dtype=args.dtype,
+                         with_ngram=args.with_ngram, dtype=args.dtype,
                          device=args.device, cost_table=args.cost_table, force_table=args.force_table, **options)
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below, written per step
     for first in range(0, len(rows), args.batch_size):

@@ -39,3 +39,16 @@ def smollm_reference(smollm):
         return hf_greedy(model, list(prompt_ids), max_new_tokens)
 
     return reference
+
+
+@pytest.fixture(scope="session")
+def random_head(smollm):
+    """An EAGLE-1/2 head with random weights for SmolLM2: exactness must not depend on the head being good."""
+    from castspec.drafters.eagle_head import EagleHead, head_config
+
+    model, _ = smollm
+    torch.manual_seed(0)
+    head = EagleHead(head_config(model))
+    for p in head.parameters():  # larger than the default init, so that the head's choices vary with its inputs
+        p.data.normal_(0, 0.05)
+    return head.eval()

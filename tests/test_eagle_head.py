@@ -26,16 +26,6 @@ from castspec.errors import CastspecError
 from castspec.policies import ChainPolicy, Eagle2Policy
 
 
-@pytest.fixture(scope="module")
-def random_head(smollm):
-    model, _ = smollm
-    torch.manual_seed(0)
-    head = EagleHead(head_config(model))
-    for p in head.parameters():  # larger than the default init, so that the head's choices vary with its inputs
-        p.data.normal_(0, 0.05)
-    return head.eval()
-
-
 def _write(directory, state: dict, config: dict, torch_bin: bool = False) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))

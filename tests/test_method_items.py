@@ -19,6 +19,8 @@ def test_ngram_sizes_go_to_the_drafter_and_the_rest_to_the_policy():
     (spec,) = parse_methods("eagle2:ngram:top_k=4,min_n=1,max_n=3")
     assert drafter_options(spec) == {"min_n": 1, "max_n": 3}
     assert policy_options(spec) == {"top_k": 4}
+    (merged,) = parse_methods("cast:head+ngram:min_n=1,auto=0")
+    assert merged.drafter == "head+ngram" and drafter_options(merged) == {"min_n": 1}
     (cast,) = parse_methods("cast:ngram:min_n=1,auto=0")
     assert policy_options(cast, costs="table") == {"cost_table": "table", "cast_auto": False, "cast_calibrate": False}
 
@@ -34,6 +36,8 @@ def test_ngram_sizes_go_to_the_drafter_and_the_rest_to_the_policy():
     ("ar:chain_length=2", "(it has: none)"),
     ("chain:ngram:min_n=3,max_n=2", "1 <= min_n <= max_n, got min_n=3, max_n=2"),
     ("chain:ngram:min_n=0", "got min_n=0"),
+    ("cast:head+ngram:min_n=0", "got min_n=0"),
+    ("cast:ngram+head", "'ngram+head' is not a drafter"),
 ])
 def test_bad_items_are_refused_with_the_reason(text, says):
     with pytest.raises(CastspecError) as error:
