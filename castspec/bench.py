@@ -38,9 +38,9 @@ HF_METHODS = ("hf-assisted", "hf-prompt-lookup")
 METHOD_OPTIONS = {"ar": (), "chain": ("chain_length",), "eagle2": ("top_k", "depth", "total_tokens"),
                   "cast": ("auto", "calibrate", "cast_c1", "cast_c2", "cast_c3", "cast_r", "cast_max_depth",
                            "cast_top_k")}
-# method-item options that configure the drafter, not the policy
-DRAFTER_OPTIONS = {"ngram": ("max_n", "min_n"), "draft+ngram": ("max_n", "min_n"), "head+ngram": ("max_n", "min_n")}
 ITEM_DRAFTERS = ("draft", "ngram", "head", "draft+ngram", "head+ngram")
+# method-item options that configure the drafter, not the policy: the n-gram sizes, wherever an n-gram index drafts
+DRAFTER_OPTIONS = {d: ("max_n", "min_n") for d in ITEM_DRAFTERS if d.endswith("ngram")}
 
 
 def _parse_item(item: str) -> MethodSpec:
@@ -132,11 +132,11 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
     """One runner per method. `head`: (EagleHead, its source) for the methods whose drafter is 'head'."""
     runners = {}
     for spec in specs:
-        needs = {"draft": draft_model, "head": head, "draft+ngram": draft_model, "head+ngram": head}
+        model = (spec.drafter or "").removesuffix("+ngram")  # the model drafter, if the item drafts with one
         if spec.method == "hf-assisted" and draft_model is None:
             raise CastspecError("hf-assisted needs a draft model (--draft)")
-        if spec.method not in ("ar", "hf-prompt-lookup") and spec.drafter in needs and needs[spec.drafter] is None:
-            model = spec.drafter.removesuffix("+ngram")
+        given = {"draft": draft_model, "head": head}
+        if spec.method not in ("ar", "hf-prompt-lookup") and model in given and given[model] is None:
             raise CastspecError(f"{spec.label} drafts with a {model}, and none was given (--{model} ...)")
         if spec.method.startswith("hf-"):
             runners[spec.label] = _HfBaseline(target_model, tokenizer, spec.method, draft_model)
