@@ -14,7 +14,7 @@ from castspec.drafters.draft_model import DraftModelDrafter, check_compatible
 from castspec.drafters.eagle_head import EagleHeadDrafter, load_eagle_head
 from castspec.drafters.ngram import NgramDrafter
 from castspec.drafters.with_ngram import NgramAugmentedDrafter
-from castspec.engine import StepStats, StopCondition, decode
+from castspec.engine import StepEngine, StepStats, StopCondition, decode
 from castspec.errors import CastspecError
 from castspec.models import castspec_home, load_model
 from castspec.policies import ChainPolicy, Eagle2Policy, Policy
@@ -178,6 +178,11 @@ class Engine:
             if with_ngram:
                 chosen = NgramAugmentedDrafter(chosen)
         return cls(target_model, tokenizer, chosen, policy)
+
+    def stepper(self, max_batch_size: int = 8, max_waiting: int | None = None) -> StepEngine:
+        """A stepping engine over this engine's target, drafter and policy (continuous batching; the server's)."""
+        return StepEngine(self.target, self.drafter, self.policy, self.tokenizer, self.eos_ids, max_batch_size,
+                          max_waiting)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         return encode_text(self.tokenizer, prompt, messages)

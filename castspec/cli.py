@@ -1,4 +1,4 @@
-"""Command line: castspec models | generate | bench | demo."""
+"""Command line: castspec models | generate | serve | bench | demo | ..."""
 
 from __future__ import annotations
 
@@ -40,6 +40,34 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", help="write each step's tree decisions to this JSONL file")
 
 
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="registry name, local HF directory or hub id")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--draft", help="draft model (same tokenizer as the target)")
+    src.add_argument("--drafter", help="a model-free drafter: ngram")
+    src.add_argument("--head", help="EAGLE-1/2 or EAGLE-3 draft head: a directory (config.json + weights) or hub id")
+    p.add_argument("--with-ngram", action="store_true",
+                   help="merge n-gram (prompt lookup) proposals into the --draft or --head drafter's trees")
+    p.add_argument("--method", default="eagle2", help="ar | chain | eagle2 | cast (default eagle2)")
+    p.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
+    p.add_argument("--device", default="cpu")
+
+
+def _load_engine(args):
+    """The Engine the generate and serve commands share, from their engine and policy arguments."""
+    from castspec.api import Engine
+
+    options = {"chain_length": args.chain_length, "top_k": args.top_k, "depth": args.depth,
+               "total_tokens": args.total_tokens}
+    if args.method == "cast":
+        options.update(cast_c1=args.cast_c1, cast_c2=args.cast_c2, cast_c3=args.cast_c3, cast_r=args.cast_r,
+                       cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto",
+                       cast_calibrate=args.cast_calibration == "on")
+    return Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, head=args.head,
+                       with_ngram=args.with_ngram, dtype=args.dtype,
+                       device=args.device, cost_table=args.cost_table, force_table=args.force_table, **options)
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (default: greedy)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -68,14 +96,7 @@ def _build_parser() -> argparse.ArgumentParser:
     msub.add_parser("list", help="registry models and whether they are cached")
 
     gen = sub.add_parser("generate", help="generate text with AR or speculative decoding")
-    gen.add_argument("--model", required=True, help="registry name, local HF directory or hub id")
-    src = gen.add_mutually_exclusive_group()
-    src.add_argument("--draft", help="draft model (same tokenizer as the target)")
-    src.add_argument("--drafter", help="a model-free drafter: ngram")
-    src.add_argument("--head", help="EAGLE-1/2 draft head: a directory (config.json + weights) or hub id")
-    gen.add_argument("--with-ngram", action="store_true",
-                     help="merge n-gram (prompt lookup) proposals into the --draft or --head drafter's trees")
-    gen.add_argument("--method", default="eagle2", help="ar | chain | eagle2 (default eagle2)")
+    _engine_args(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompts-file", help='JSONL: {"id": ..., "prompt": ...} or {"id": ..., "messages": [...]}')
@@ -84,11 +105,19 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (one target forward "
                                                                "per step for all of them)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
-    gen.add_argument("--device", default="cpu")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     _policy_args(gen)
     _sampling_args(gen)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching, streaming, metrics)")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together at most (default 8)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="requests queued for a place in the batch before new ones get 429 (default 256)")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
+    _policy_args(serve)
 
     bench = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench protocol)")
     bench.add_argument("--model", default=DEFAULT_TARGET)
@@ -224,7 +253,6 @@ def _cmd_models(args) -> None:
 
 
 def _cmd_generate(args) -> None:
-    from castspec.api import Engine
     from castspec.prompts import read_prompts_file
 
     if args.max_new_tokens <= 0:
@@ -235,15 +263,7 @@ def _cmd_generate(args) -> None:
     if args.batch_size < 1:
         raise CastspecError(f"--batch-size must be positive, got {args.batch_size}")
     rows = read_prompts_file(args.prompts_file) if args.prompts_file else [{"id": 0, "prompt": args.prompt}]
-    options = {"chain_length": args.chain_length, "top_k": args.top_k, "depth": args.depth,
-               "total_tokens": args.total_tokens}
-    if args.method == "cast":
-        options.update(cast_c1=args.cast_c1, cast_c2=args.cast_c2, cast_c3=args.cast_c3, cast_r=args.cast_r,
-                       cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto",
-                       cast_calibrate=args.cast_calibration == "on")
-    engine = Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, head=args.head,
-                         with_ngram=args.with_ngram, dtype=args.dtype,
-                         device=args.device, cost_table=args.cost_table, force_table=args.force_table, **options)
+    engine = _load_engine(args)
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below, written per step
     for first in range(0, len(rows), args.batch_size):
         batch = rows[first: first + args.batch_size]
@@ -272,6 +292,27 @@ def _cmd_generate(args) -> None:
                       file=sys.stderr, flush=True)
     if trace is not None:
         trace.close()
+
+
+def _cmd_serve(args) -> None:
+    import uvicorn
+
+    from castspec.serve.app import Server, build_app
+    from castspec.serve.loop import EngineLoop
+    from castspec.serve.metrics import ServerMetrics
+
+    for name in ("max_batch_size", "max_waiting"):
+        if getattr(args, name) < 1:
+            raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 < args.port < 65536:
+        raise CastspecError(f"--port must be in 1..65535, got {args.port}")
+    engine = _load_engine(args)
+    name = args.served_model_name or args.model
+    loop = EngineLoop(engine.stepper(args.max_batch_size, args.max_waiting), ServerMetrics(name), args.trace)
+    server = Server(loop, engine.tokenizer, name, engine.target.max_positions, args.max_waiting)
+    print(f"castspec: serving {name!r} ({engine.policy.describe() if engine.policy else 'ar'}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
 
 
 def _cmd_train_head(args) -> None:
@@ -685,8 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        commands = {"models": _cmd_models, "generate": _cmd_generate, "bench": _cmd_bench, "demo": _cmd_demo,
-                    "bench-combine": _cmd_bench_combine,
+        commands = {"models": _cmd_models, "generate": _cmd_generate, "serve": _cmd_serve, "bench": _cmd_bench,
+                    "demo": _cmd_demo, "bench-combine": _cmd_bench_combine,
                     "train-head": _cmd_train_head, "tune": _cmd_tune, "regenerate": _cmd_regenerate,
                     "profile": _cmd_profile, "head-vocab": _cmd_head_vocab}
         commands[args.command](args)

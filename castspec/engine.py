@@ -1,14 +1,22 @@
-"""The decode loop: draft a tree, verify it in one target forward, accept, commit, repeat."""
+"""The stepping engine: requests join, each step drafts a tree per row, verifies them all in one target forward,
+accepts and commits; requests leave the moment they finish or are aborted.
+
+`StepEngine` is the one decode loop. `step()` either admits waiting requests (prefilled together, then appended
+to the running batch's KV) or runs one speculative step over every running row; `decode` (offline batches) and
+the server are loops over it."""
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from castspec.drafters.base import Drafter
 from castspec.drafting import DraftRecord, grow_trees
+from castspec.errors import CastspecError
 from castspec.policies import Policy, StepContext
 from castspec.sampling import SamplingParams
 from castspec.target import Target
@@ -24,6 +32,7 @@ class StepStats:
     verify_s: float
     context_length: int
     draft: DraftRecord = field(default_factory=DraftRecord)
+    batch_size: int = 1  # rows verified together in this step
 
 
 class StopCondition:
@@ -47,10 +56,293 @@ class StopCondition:
         return self.reason is not None
 
 
+class RequestError(CastspecError):
+    """A request the engine refuses; `param` names the offending field (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Per-request settings: how long, where to stop, and how to draw (temperature 0 = greedy)."""
+
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise RequestError("stop must be a string or a list of strings", "stop")
+        try:
+            _ = self.sampling
+        except CastspecError as e:
+            param = next((p for p in ("temperature", "top_p", "top_k", "seed") if str(e).startswith(p)), None)
+            raise RequestError(str(e), param) from None
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # accepted since the last output (several per speculative step)
+    text: str  # the text they add (held back while it could still turn into a stop string or a partial char)
+    finished: bool
+    finish_reason: str | None  # eos | stop_string | max_new_tokens | abort
+    output_ids: list[int]  # every token so far
+    steps: list[StepStats]  # every verify step so far
+    full_text: str = ""  # every text delta so far, joined (once finished: the whole answer, cut at a stop string)
+
+
+@dataclass
+class StepInfo:
+    """The latest step, for metrics and traces: which kind, how many rows, the trees they verified."""
+
+    kind: str  # "prefill" or "decode"
+    batch_size: int
+    tree_sizes: list[int]
+    accepted: list[int]  # tokens emitted per row
+    record: DraftRecord | None
+    seconds: float
+
+
+class _Sequence:
+    def __init__(self, request_id: str, prompt: list[int], stop: StopCondition, sampling: SamplingParams | None,
+                 generator: torch.Generator | None) -> None:
+        self.id, self.prompt, self.stop = request_id, prompt, stop
+        self.sampling, self.generator = sampling, generator
+        self.output: list[int] = []
+        self.steps: list[StepStats] = []
+        self.root = -1
+        self.unseen: list[int] = []  # accepted tokens the drafter has not absorbed yet
+        self.features: list[torch.Tensor] = []  # target features before them
+        self.reported = 0  # tokens already handed out
+        self.text_sent = ""
+
+
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class StepEngine:
+    """Continuous batching over one target, drafter and policy. Not thread-safe: one thread drives it (the
+    server's engine loop); others hand requests to that thread."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, policy: Policy | None = None,
+                 tokenizer=None, eos_ids: set[int] | None = None, max_batch_size: int = 8,
+                 max_waiting: int | None = None) -> None:
+        if (drafter is None) != (policy is None):
+            raise CastspecError("a drafter and a policy go together: give both (speculative) or neither (AR)")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise CastspecError(f"max batch size must be a positive integer, got {max_batch_size!r}")
+        self.target, self.drafter, self.policy = target, drafter, policy
+        self.tokenizer, self.eos_ids = tokenizer, set(eos_ids or ())
+        self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
+        self.layers = drafter.feature_layers if drafter is not None else ()
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []  # row i of the target's (and drafter's) batch
+        self.aborted: set[str] = set()
+        self.last_step: StepInfo | None = None
+        self._ids = itertools.count()
+        target.keep_rows([])
+        if drafter is not None:
+            drafter.reset(0)
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt_ids: list[int], params: RequestParams | None = None
+                    ) -> str:
+        """Queue a request; it joins the batch at the next step with room. Raises RequestError for a request
+        that cannot run (empty or too long prompt, max_tokens past the context, a full queue, a duplicate id)."""
+        params = params or RequestParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if any(s.id == request_id for s in itertools.chain(self.waiting, self.running)):
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        self.check_request(prompt_ids, params)
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise RequestError(f"the waiting queue is full ({self.max_waiting} requests)", "queue")
+        sampling = params.sampling
+        stop = StopCondition(params.max_tokens, self.eos_ids, list(params.stop), self.tokenizer)
+        self.add_sequence(request_id, list(prompt_ids), stop, sampling,
+                          None if sampling.greedy else sampling.generator())
+        return request_id
+
+    def check_request(self, prompt_ids: list[int], params: RequestParams) -> None:
+        """Raise RequestError unless the request could run on this model (reads nothing that steps change)."""
+        if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) for t in prompt_ids):
+            raise RequestError("the prompt must be a non-empty list of token ids", "prompt")
+        vocab = self.target.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise RequestError(f"the prompt holds token ids outside this model's vocabulary (0..{vocab - 1})",
+                               "prompt")
+        limit = self.target.max_positions
+        if limit is not None:
+            if len(prompt_ids) >= limit:
+                raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context holds {limit}, "
+                                   "leaving no room to generate", "input_tokens")
+            if len(prompt_ids) + params.max_tokens > limit:
+                raise RequestError(f"max_tokens {params.max_tokens} is too large: the prompt has {len(prompt_ids)} "
+                                   f"tokens and this model's context holds {limit}, so at most "
+                                   f"{limit - len(prompt_ids)} can be generated", "max_tokens")
+
+    def add_sequence(self, request_id: str, prompt: list[int], stop: StopCondition,
+                     sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
+        """Queue an already validated sequence with its own stop condition and generator (offline batches)."""
+        self.waiting.append(_Sequence(request_id, prompt, stop, sampling, generator))
+
+    def abort(self, request_id: str) -> None:
+        """The request leaves at the next step boundary (its KV freed); unknown or finished ids are ignored."""
+        self.aborted.add(str(request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- stepping ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests if there is room (a prefill step), else one speculative step over the batch."""
+        outputs = self._drop_aborted()
+        if self.waiting and len(self.running) < self.max_batch_size:
+            outputs += self._admit()
+        elif self.running:
+            outputs += self._decode_step()
+        else:
+            self.last_step = None
+        return outputs
+
+    def _drop_aborted(self) -> list[RequestOutput]:
+        if not self.aborted:
+            return []
+        outputs = []
+        for seq in [s for s in self.waiting if s.id in self.aborted]:
+            self.waiting.remove(seq)
+            seq.stop.reason = "abort"
+            outputs.append(self._output(seq))
+        gone = [i for i, s in enumerate(self.running) if s.id in self.aborted]
+        for i in gone:
+            self.running[i].stop.reason = "abort"
+            outputs.append(self._output(self.running[i]))
+        if gone:
+            self._keep([i for i in range(len(self.running)) if i not in gone])
+        self.aborted.clear()
+        return outputs
+
+    def _keep(self, rows: list[int]) -> None:
+        if len(rows) < len(self.running):
+            self.target.keep_rows(rows)
+            if self.drafter is not None:
+                self.drafter.keep_rows(rows)
+            self.running = [self.running[i] for i in rows]
+
+    def _admit(self) -> list[RequestOutput]:
+        t0 = _clock(self.target.device)
+        room = self.max_batch_size - len(self.running)
+        joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        first, prompt_features = self.target.add_rows([s.prompt for s in joining], self.layers)
+        if self.drafter is not None:
+            self.drafter.add_rows(len(joining))
+        outputs, done = [], []
+        for i, seq in enumerate(joining):
+            seq.root = accept(DraftTree.single(-1), first[i: i + 1], seq.sampling, seq.generator)[1]
+            seq.unseen = seq.prompt + [seq.root]
+            seq.features = [prompt_features[i]] if self.layers else []
+            if seq.stop.push(seq.output, seq.root):
+                done.append(len(self.running) + i)
+            outputs.append(self._output(seq))
+        self.running += joining
+        self._keep([i for i in range(len(self.running)) if i not in done])
+        self.last_step = StepInfo("prefill", len(joining), [0] * len(joining), [1] * len(joining), None,
+                                  _clock(self.target.device) - t0)
+        return outputs
+
+    def _decode_step(self) -> list[RequestOutput]:
+        target, drafter, policy, rows = self.target, self.drafter, self.policy, self.running
+        window = target.max_positions or 1 << 30
+        t0 = _clock(target.device)
+        limits = [min(s.stop.max_new_tokens - len(s.output), window - target.lengths[i]) - 1
+                  for i, s in enumerate(rows)]
+        ctx = StepContext(len(rows), target.length, max(limits), max(len(s.unseen) for s in rows))
+        trees, record = [DraftTree.single(s.root) for s in rows], DraftRecord()
+        if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
+            trees, record = grow_trees(drafter, policy, [s.unseen for s in rows], ctx,
+                                       [torch.cat(s.features) for s in rows] if self.layers else None)
+            trees = [t.subtree((t.depths <= limit).nonzero().flatten())  # rows nearer their end draft less deep
+                     for t, limit in zip(trees, limits, strict=True)]
+            for s in rows:
+                s.unseen, s.features = [], []
+        t1 = _clock(target.device)
+        logits, verified_features = target.verify(trees, self.layers)
+        results = [accept(tree, logits[i, : len(tree)], s.sampling, s.generator)
+                   for i, (s, tree) in enumerate(zip(rows, trees, strict=True))]
+        t2 = _clock(target.device)
+        going, emitted, outputs = [], [], []
+        for i, (s, tree, (path, bonus)) in enumerate(zip(rows, trees, results, strict=True)):
+            new_tokens = tree.tokens[path].tolist() + [bonus]
+            emitted.append(len(new_tokens))
+            s.steps.append(StepStats(len(new_tokens), len(tree) - 1, t1 - t0, t2 - t1, ctx.context_length, record,
+                                     len(rows)))
+            if policy is not None:
+                policy.observe_tree(tree, path)
+            if not any(s.stop.push(s.output, token) for token in new_tokens):
+                going.append(i)
+                s.unseen += new_tokens
+                if self.layers:
+                    s.features.append(verified_features[i, [0, *path]])
+                s.root = bonus
+            outputs.append(self._output(s))
+        if policy is not None:
+            policy.observe(sum(emitted) / len(rows), t2 - t0)
+        kept = [[0, *results[i][0]] for i in going]
+        self._keep(going)
+        if going:
+            target.commit(kept)
+        self.last_step = StepInfo("decode", len(rows), [len(t) - 1 for t in trees], emitted, record, t2 - t0)
+        return outputs
+
+    # -- outputs ----------------------------------------------------------------------------------------------
+    def _output(self, seq: _Sequence) -> RequestOutput:
+        finished = seq.stop.reason is not None
+        new = seq.output[seq.reported:]
+        seq.reported = len(seq.output)
+        text = ""
+        if self.tokenizer is not None:
+            visible = self._visible_text(seq, finished)
+            if visible.startswith(seq.text_sent):
+                text = visible[len(seq.text_sent):]
+                seq.text_sent = visible
+        return RequestOutput(seq.id, new, text, finished, seq.stop.reason, seq.output, seq.steps, seq.text_sent)
+
+    def _visible_text(self, seq: _Sequence, finished: bool) -> str:
+        """The text a client may see so far: cut at a stop string once one completed; while running, without a
+        trailing partial character or a tail that could still become a stop string."""
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        stops = seq.stop.stop_strings
+        if seq.stop.reason == "stop_string":
+            return text[: min((text.find(s) for s in stops if s in text), default=len(text))]
+        if finished:
+            return text
+        text = text.rstrip("\ufffd")
+        hold = max((len(s) - 1 for s in stops), default=0)
+        return text[: len(text) - hold] if hold else text
 
 
 def decode(
@@ -61,56 +353,15 @@ def decode(
     """Decode a batch of prompts (row b: prompts[b], stops[b], generators[b]); returns each row's tokens and
     steps. Greedy (`sampling` None or temperature 0): every row is token-identical to decoding its prompt alone.
     Sampling: every row is distributed exactly as plain sampling. Finished rows leave the batch."""
+    engine = StepEngine(target, drafter, policy, max_batch_size=max(1, len(prompts)))
+    generators = generators or [None] * len(prompts)
+    for b, (prompt, stop, generator) in enumerate(zip(prompts, stops, generators, strict=True)):
+        engine.add_sequence(str(b), prompt, stop, sampling, generator)
     outputs: list[list[int]] = [[] for _ in prompts]
     steps: list[list[StepStats]] = [[] for _ in prompts]
-    generators = generators or [None] * len(prompts)
-    layers = drafter.feature_layers if drafter is not None else ()
-    first, prompt_features = target.prefill(prompts, layers)
-    roots = [accept(DraftTree.single(-1), first[b: b + 1], sampling, generators[b])[1] for b in range(len(prompts))]
-    active = [b for b in range(len(prompts)) if not stops[b].push(outputs[b], roots[b])]
-    unseen = {b: prompts[b] + [roots[b]] for b in active}  # accepted tokens the drafter has not absorbed yet
-    features = {b: [prompt_features[b]] for b in active} if layers else {}  # target features before them
-    target.keep_rows(active)
-    if drafter is not None:
-        drafter.reset(len(active))
-    window = target.max_positions or 1 << 30
-    while active:
-        t0 = _clock(target.device)
-        limits = [min(stops[b].max_new_tokens - len(outputs[b]), window - target.lengths[i]) - 1
-                  for i, b in enumerate(active)]
-        ctx = StepContext(len(active), target.length, max(limits), max(len(unseen[b]) for b in active))
-        trees, record = [DraftTree.single(roots[b]) for b in active], DraftRecord()
-        if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
-            trees, record = grow_trees(drafter, policy, [unseen[b] for b in active], ctx,
-                                       [torch.cat(features[b]) for b in active] if layers else None)
-            trees = [t.subtree((t.depths <= limit).nonzero().flatten())  # rows nearer their end draft less deep
-                     for t, limit in zip(trees, limits, strict=True)]
-            unseen, features = {b: [] for b in active}, {b: [] for b in features}
-        t1 = _clock(target.device)
-        logits, verified_features = target.verify(trees, layers)
-        results = [accept(tree, logits[i, : len(tree)], sampling, generators[b])
-                   for i, (b, tree) in enumerate(zip(active, trees, strict=True))]
-        t2 = _clock(target.device)
-        going, emitted = [], 0
-        for i, (b, tree, (path, bonus)) in enumerate(zip(active, trees, results, strict=True)):
-            new_tokens = tree.tokens[path].tolist() + [bonus]
-            emitted += len(new_tokens)
-            steps[b].append(StepStats(len(new_tokens), len(tree) - 1, t1 - t0, t2 - t1, ctx.context_length, record))
-            if policy is not None:
-                policy.observe_tree(tree, path)
-            if not any(stops[b].push(outputs[b], token) for token in new_tokens):
-                going.append(i)
-                unseen[b] += new_tokens
-                if layers:
-                    features[b].append(verified_features[i, [0, *path]])
-                roots[b] = bonus
-        if policy is not None:
-            policy.observe(emitted / len(active), t2 - t0)
-        if len(going) < len(active):
-            target.keep_rows(going)
-            if drafter is not None:
-                drafter.keep_rows(going)
-        if going:
-            target.commit([[0, *results[i][0]] for i in going])
-        active = [active[i] for i in going]
+    while engine.has_unfinished():
+        for out in engine.step():
+            b = int(out.request_id)
+            outputs[b], steps[b] = out.output_ids, out.steps
     return outputs, steps
+

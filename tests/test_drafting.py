@@ -28,6 +28,9 @@ class ScriptedDrafter(Drafter):
     def keep_rows(self, rows):
         pass
 
+    def add_rows(self, count):
+        pass
+
     def begin(self, new_tokens, top_k, features=None):
         self.calls.append(("begin", len(new_tokens)))
         return [top_candidates(child_logits(())[None], top_k) for _ in new_tokens]

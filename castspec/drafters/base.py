@@ -82,6 +82,10 @@ class Drafter(ABC):
     def keep_rows(self, rows: list[int]) -> None:
         """Only `rows` go on (the others finished); called between steps."""
 
+    @abstractmethod
+    def add_rows(self, count: int) -> None:
+        """`count` new rows join below the others, between steps; their next `begin` brings their whole prompt."""
+
 
 def empty_candidates(top_k: int) -> Candidates:
     return Candidates(torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k))

@@ -141,11 +141,22 @@ class DraftModelDrafter(Drafter):
 
     def end_step(self) -> None:
         kv.crop(self.cache, self.base)
+        if kv.needs_compaction(self.valid):
+            self.valid = kv.compact(self.cache, self.valid)
 
     def keep_rows(self, rows: list[int]) -> None:
+        if not rows:
+            self.reset(0)
+            return
         kv.keep_rows(self.cache, torch.tensor(rows, dtype=torch.long, device=self.device))
         self.valid = self.valid[torch.tensor(rows, dtype=torch.long)]
         self.lengths = [self.lengths[r] for r in rows]
+        self.cached_nodes = [self.cached_nodes[r] for r in rows]
+
+    def add_rows(self, count: int) -> None:
+        self.cache, self.valid = kv.append_rows(self.cache, self.valid, None, torch.zeros(count, 0, dtype=torch.bool))
+        self.lengths += [0] * count
+        self.cached_nodes += [{} for _ in range(count)]
 
 
 def _split(cands: Candidates) -> list[Candidates]:

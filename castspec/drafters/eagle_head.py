@@ -364,3 +364,7 @@ class EagleHeadDrafter(DraftModelDrafter):
     def keep_rows(self, rows: list[int]) -> None:
         super().keep_rows(rows)
         self.node_features = [{} for _ in rows]
+
+    def add_rows(self, count: int) -> None:
+        super().add_rows(count)
+        self.node_features += [{} for _ in range(count)]

@@ -84,3 +84,6 @@ class NgramDrafter(Drafter):
 
     def keep_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
+
+    def add_rows(self, count: int) -> None:
+        self.rows += [_Index(self.max_n, self.min_n) for _ in range(count)]

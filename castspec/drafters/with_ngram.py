@@ -76,3 +76,7 @@ class NgramAugmentedDrafter(Drafter):
     def keep_rows(self, rows: list[int]) -> None:
         self.primary.keep_rows(rows)
         self.ngram.keep_rows(rows)
+
+    def add_rows(self, count: int) -> None:
+        self.primary.add_rows(count)
+        self.ngram.add_rows(count)
