@@ -142,6 +142,24 @@ def _build_parser() -> argparse.ArgumentParser:
                                              "(speed-up over batched AR per batch size)")
     _sampling_args(bench)
 
+    bserve = sub.add_parser("bench-serve", help="load benchmark over the HTTP API: a castspec serve per method, "
+                                                "streaming clients at fixed concurrency and Poisson rates")
+    bserve.add_argument("--model", default=DEFAULT_TARGET)
+    bserve.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the methods whose drafter is 'draft'")
+    bserve.add_argument("--head", help="EAGLE head for the methods whose drafter is 'head'")
+    bserve.add_argument("--methods", default="ar;chain:draft:chain_length=4;eagle2:draft;cast:draft;cast:ngram",
+                        help="';'-separated method items as in castspec bench")
+    bserve.add_argument("--concurrency", default="1,2,4,8", help="fixed numbers of concurrent clients")
+    bserve.add_argument("--rates", default="", help="Poisson arrival rates (requests/s), e.g. 0.1,0.3")
+    bserve.add_argument("--sets", default="mtbench,humaneval,gsm8k")
+    bserve.add_argument("--per-set", type=int, default=3, help="prompts taken from each set (each level sends all)")
+    bserve.add_argument("--max-tokens", type=int, default=64)
+    bserve.add_argument("--max-batch-size", type=int, default=8)
+    bserve.add_argument("--dtype", default="bf16")
+    bserve.add_argument("--timeout", type=float, default=3600, help="seconds one level may take at most")
+    bserve.add_argument("--out-dir", default="bench/serve")
+    bserve.add_argument("--name", default="bench-serve")
+
     combine = sub.add_parser("bench-combine", help="one table and plot from benchmark runs on the same prompts, "
                                                    "each method over its own run's AR")
     combine.add_argument("runs", nargs="+", help="finished runs' JSON files (bench/NAME.json)")
@@ -462,6 +480,28 @@ def _prompts(sets: str, per_set: int, offset: int) -> list[dict]:
     return [rows[i] for i in range(per_set) for rows in per_name if i < len(rows)]
 
 
+def _cmd_bench_serve(args) -> None:
+    from castspec.bench import _meta, parse_methods
+    from castspec.serve.bench import run_bench_serve, save
+
+    specs = parse_methods(args.methods)
+    concurrency = _int_list(args.concurrency, "--concurrency")
+    rates = [float(r) for r in args.rates.split(",") if r.strip()] if args.rates else []
+    if any(c < 1 for c in concurrency) or any(r <= 0 for r in rates):
+        raise CastspecError("--concurrency levels and --rates must be positive")
+    if args.max_tokens < 1 or args.per_set < 1:
+        raise CastspecError("--max-tokens and --per-set must be positive")
+    prompts = _prompts(args.sets, args.per_set, 0)
+    result = run_bench_serve(args.model, specs, prompts, concurrency, rates, args.max_tokens, args.dtype,
+                             args.max_batch_size, args.draft, args.head, args.timeout,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
+    meta = {**_meta(args.max_tokens, len(prompts)), "dtype": args.dtype, "max_batch_size": args.max_batch_size}
+    command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    save(result, Path(args.out_dir), args.name, command, f"castspec serve under load: {Path(args.model).name}, "
+         f"{len(prompts)} prompts per level", meta)
+    print(Path(args.out_dir) / f"{args.name}.md")
+
+
 def _cmd_bench(args) -> None:
     from castspec.bench import RunFiles, parse_methods, run_benchmark, save_results
 
@@ -727,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "serve": _cmd_serve, "bench": _cmd_bench,
-                    "demo": _cmd_demo, "bench-combine": _cmd_bench_combine,
+                    "demo": _cmd_demo, "bench-combine": _cmd_bench_combine, "bench-serve": _cmd_bench_serve,
                     "train-head": _cmd_train_head, "tune": _cmd_tune, "regenerate": _cmd_regenerate,
                     "profile": _cmd_profile, "head-vocab": _cmd_head_vocab}
         commands[args.command](args)

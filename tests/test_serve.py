@@ -6,12 +6,7 @@ Every server starts and stops inside its fixture; every request loop is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -25,46 +20,14 @@ from castspec.cast import CastPolicy
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
 from castspec.policies import Eagle2Policy
+from castspec.serve.bench import launch_server
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 180
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def live_server(*args: str, log_path):
-    port = free_port()
-    command = [sys.executable, "-m", "castspec.cli", "serve", "--model", MODEL, "--dtype", "fp32", "--host",
-               "127.0.0.1", "--port", str(port), *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    log.flush()
-                    raise RuntimeError(f"castspec serve exited with {proc.returncode}:\n{log_path.read_text()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"castspec serve did not come up in {START_TIMEOUT_S} s")
-                time.sleep(0.3)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    return launch_server(MODEL, list(args), log_path, dtype="fp32", start_timeout_s=START_TIMEOUT_S)
 
 
 def client(base: str) -> openai.OpenAI:
@@ -365,3 +328,50 @@ def test_serve_trace_records_batch_size_and_tree_shape(tmp_path, smollm):
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert steps and all({"batch_size", "tree_sizes", "widths", "verify_budget", "policy"} <= set(s) for s in steps)
     assert any(max(s["tree_sizes"]) > 0 for s in steps)
+
+
+# --- the load benchmark ------------------------------------------------------------------------------------------
+
+
+def test_bench_serve_flags_follow_the_method_items():
+    from castspec.bench import parse_methods
+    from castspec.errors import CastspecError
+    from castspec.serve.bench import server_args
+
+    specs = parse_methods("ar;chain:draft:chain_length=3;eagle2:ngram:top_k=4,depth=3;cast:head+ngram:calibrate=1,"
+                          "auto=0")
+    assert server_args(specs[0], None, None) == ["--method", "ar"]
+    assert server_args(specs[1], "d", None) == ["--method", "chain", "--draft", "d", "--chain-length", "3"]
+    assert server_args(specs[2], None, None) == ["--method", "eagle2", "--drafter", "ngram", "--top-k", "4",
+                                                 "--depth", "3"]
+    assert server_args(specs[3], None, "h") == ["--method", "cast", "--head", "h", "--with-ngram",
+                                                "--cast-calibration", "on", "--cast-mode", "paper"]
+    with pytest.raises(CastspecError, match="needs --draft"):
+        server_args(specs[1], None, None)
+    with pytest.raises(CastspecError, match="no castspec serve flag"):
+        server_args(parse_methods("cast:ngram:min_n=1")[0], None, None)
+
+
+def test_bench_serve_runs_end_to_end(tmp_path):
+    """Two methods, two concurrency levels and one Poisson rate over real servers: every request answered,
+    outputs equal across methods, the server's batch sizes and trees reported."""
+    from castspec.bench import parse_methods
+    from castspec.prompts import load_prompt_set
+    from castspec.serve.bench import run_bench_serve, save
+
+    prompts = load_prompt_set("humaneval")[:2] + load_prompt_set("gsm8k")[:1]
+    result = run_bench_serve(MODEL, parse_methods("ar;eagle2:ngram:top_k=3,depth=3,total_tokens=8"), prompts, [1, 3],
+                             [2.0], 10, "fp32", 4, timeout_s=300, log=lambda line: None)
+    summary = result["summary"]
+    assert [(s["method"], s["kind"], s["level"]) for s in summary] == [
+        ("ar", "concurrency", 1), ("ar", "concurrency", 3), ("ar", "rate", 2.0),
+        ("eagle2:ngram:top_k=3,depth=3,total_tokens=8", "concurrency", 1),
+        ("eagle2:ngram:top_k=3,depth=3,total_tokens=8", "concurrency", 3),
+        ("eagle2:ngram:top_k=3,depth=3,total_tokens=8", "rate", 2.0)]
+    for s in summary:
+        assert s["errors"] == [] and s["requests"] == 3 and s["same_as_ar"] == 3
+        assert s["throughput_tok_s"] > 0 and s["ttft_p50_s"] > 0 and s["mean_batch_size"] >= 1
+    assert summary[1]["mean_batch_size"] > 1  # three clients at once share steps
+    assert summary[3]["mean_tree_size"] > 0 and summary[0]["mean_tree_size"] == 0
+    save(result, tmp_path, "run", "castspec bench-serve ...", "title", {"machine": "test"})
+    assert (tmp_path / "run.png").stat().st_size > 0 and "| `ar` | c=1 |" in (tmp_path / "run.md").read_text()

@@ -1,0 +1,352 @@
+"""Load benchmark over the real HTTP API: for each method a `castspec serve` process on 127.0.0.1, streaming
+clients at fixed concurrency levels and at Poisson arrival rates, methods side by side in one run.
+
+Per level: throughput (generated tokens / wall time), time to first token, inter-token latency (gap between two
+streamed chunks of a request; a speculative step may bring several tokens), time per output token, end-to-end
+latency (p50 / p99), and from the server's own metrics and trace: mean batch size, mean tree size, tau, and the
+tree sizes chosen at each batch size."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from castspec.bench import MethodSpec
+from castspec.errors import CastspecError
+
+START_TIMEOUT_S = 600
+CLI_FLAGS = {"chain_length": "--chain-length", "top_k": "--top-k", "depth": "--depth",
+             "total_tokens": "--total-tokens", "cast_c1": "--cast-c1", "cast_c2": "--cast-c2", "cast_c3": "--cast-c3",
+             "cast_r": "--cast-r", "cast_max_depth": "--cast-max-depth"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launch_server(model: str, args: list[str], log_path: Path, dtype: str = "bf16",
+                  start_timeout_s: float = START_TIMEOUT_S):
+    """A `castspec serve` process on 127.0.0.1 and a free port; yields its base URL once /health answers, and
+    stops it on the way out (terminate, then kill)."""
+    port = free_port()
+    command = [sys.executable, "-m", "castspec.cli", "serve", "--model", model, "--dtype", dtype, "--host",
+               "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    log.flush()
+                    raise CastspecError(f"castspec serve exited with {proc.returncode}:\n{log_path.read_text()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise CastspecError(f"castspec serve did not come up in {start_timeout_s:.0f} s")
+                time.sleep(0.3)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def server_args(spec: MethodSpec, draft: str | None, head: str | None) -> list[str]:
+    """`castspec serve` flags for a bench method item ('cast:draft', 'eagle2:ngram:top_k=4', ...)."""
+    if spec.method.startswith("hf-"):
+        raise CastspecError(f"{spec.label}: the HF baselines have no server")
+    args = ["--method", spec.method]
+    drafter = spec.drafter or ""
+    if drafter.startswith("draft"):
+        if not draft:
+            raise CastspecError(f"{spec.label} needs --draft")
+        args += ["--draft", draft]
+    elif drafter.startswith("head"):
+        if not head:
+            raise CastspecError(f"{spec.label} needs --head")
+        args += ["--head", head]
+    elif drafter == "ngram":
+        args += ["--drafter", "ngram"]
+    if drafter.endswith("+ngram"):
+        args.append("--with-ngram")
+    for key, value in spec.options.items():
+        if key == "auto":
+            args += ["--cast-mode", "auto" if value else "paper"]
+        elif key == "calibrate":
+            args += ["--cast-calibration", "on" if value else "off"]
+        elif key in CLI_FLAGS:
+            args += [CLI_FLAGS[key], str(value)]
+        else:
+            raise CastspecError(f"{spec.label}: option {key} has no castspec serve flag")
+    return args
+
+
+@dataclass
+class RequestRecord:
+    prompt_id: str
+    sent: float
+    first_token: float | None = None
+    done: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+async def stream_request(client: httpx.AsyncClient, model: str, prompt: dict, max_tokens: int) -> RequestRecord:
+    """One greedy streamed chat request; the arrival time of every chunk and the tokens it brought."""
+    record = RequestRecord(prompt["id"], time.perf_counter())
+    body = {"model": model, "messages": prompt["messages"], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    record.error = chunk["error"]["message"]
+                    return record
+                ids = [t for choice in chunk["choices"] for t in choice.get("token_ids") or []]
+                if ids:
+                    now = time.perf_counter()
+                    record.first_token = record.first_token or now
+                    record.chunk_times.append(now)
+                    record.chunk_tokens.append(len(ids))
+                    record.token_ids += ids
+    except httpx.HTTPError as e:
+        record.error = f"{type(e).__name__}: {e}"
+    record.done = time.perf_counter()
+    return record
+
+
+async def at_concurrency(base: str, model: str, prompts: list[dict], concurrency: int, max_tokens: int,
+                         timeout_s: float) -> list[RequestRecord]:
+    """`concurrency` clients, each sending its next prompt as soon as its last one finished."""
+    queue = list(prompts)
+    records: list[RequestRecord] = []
+    async with httpx.AsyncClient(base_url=base, timeout=timeout_s) as client:
+        async def worker():
+            while queue:
+                records.append(await stream_request(client, model, queue.pop(0), max_tokens))
+
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout_s)
+    return records
+
+
+async def at_rate(base: str, model: str, prompts: list[dict], rate: float, max_tokens: int, timeout_s: float,
+                  seed: int = 0) -> list[RequestRecord]:
+    """Requests arriving as a Poisson process of `rate` per second (exponential gaps, seeded)."""
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=base, timeout=timeout_s) as client:
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(stream_request(client, model, prompt, max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout_s))
+
+
+def scrape(base: str) -> dict[str, float]:
+    """Sums of the server's metrics by name (labels folded)."""
+    totals: dict[str, float] = defaultdict(float)
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            totals[series.split("{")[0]] += float(value)
+    return dict(totals)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q / 100
+    lo = int(at)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
+def summarise_level(records: list[RequestRecord], wall: float, before: dict, after: dict,
+                    trace_steps: list[dict]) -> dict:
+    ok = [r for r in records if r.error is None and r.token_ids]
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    ttft = [r.first_token - r.sent for r in ok]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    tpot = [(r.done - r.first_token) / (len(r.token_ids) - 1) for r in ok if len(r.token_ids) > 1]
+    e2e = [r.done - r.sent for r in ok]
+    tokens = sum(len(r.token_ids) for r in ok)
+    by_batch: dict[int, list[int]] = defaultdict(list)
+    for step in trace_steps:
+        by_batch[step["batch_size"]] += step["tree_sizes"]
+    drafts = delta.get("castspec:spec_decode_num_drafts_total", 0.0)
+    steps = delta.get("castspec:batch_size_sum", 0.0)  # row-steps: every running row in every decode step
+    return {
+        "requests": len(records), "errors": [r.error for r in records if r.error],
+        "tokens": tokens, "wall_s": round(wall, 3), "throughput_tok_s": round(tokens / wall, 3) if wall else None,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
+        "tpot_p50_s": _pct(tpot, 50), "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+        "mean_batch_size": (steps / delta["castspec:batch_size_count"]
+                            if delta.get("castspec:batch_size_count") else None),
+        "mean_tree_size": (delta["castspec:tree_size_sum"] / delta["castspec:tree_size_count"]
+                           if delta.get("castspec:tree_size_count") else None),
+        "tau": (tokens - len(ok)) / steps if steps else None,
+        "acceptance_rate": (delta.get("castspec:spec_decode_num_accepted_tokens_total", 0.0)
+                            / delta["castspec:spec_decode_num_draft_tokens_total"]
+                            if delta.get("castspec:spec_decode_num_draft_tokens_total") else None),
+        "drafted_row_steps": drafts,
+        "tree_size_by_batch": {b: round(statistics.fmean(v), 2) for b, v in sorted(by_batch.items())},
+        "outputs": {r.prompt_id: r.token_ids for r in ok},
+    }
+
+
+def _read_trace(path: Path, start: int) -> tuple[list[dict], int]:
+    if not path.exists():
+        return [], start
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines[start:]], len(lines)
+
+
+def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], concurrency: list[int],
+                    rates: list[float], max_tokens: int, dtype: str, max_batch_size: int, draft: str | None = None,
+                    head: str | None = None, timeout_s: float = 3600, log=print) -> dict:
+    """Every method's server in turn, every level against it; returns the rows and a summary."""
+    served = Path(model).name
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="castspec-bench-serve-") as tmp:
+        for spec in specs:
+            trace = Path(tmp) / f"{len(rows)}-trace.jsonl"
+            args = [*server_args(spec, draft, head), "--max-batch-size", str(max_batch_size), "--trace", str(trace),
+                    "--served-model-name", served]
+            log(f"[{spec.label}] starting castspec serve {' '.join(args)}")
+            with launch_server(model, args, Path(tmp) / f"{len(rows)}.log", dtype) as base:
+                asyncio.run(at_concurrency(base, served, prompts[:1], 1, 4, timeout_s))  # warm-up
+                seen = _read_trace(trace, 0)[1]
+                levels = [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]
+                for kind, value in levels:
+                    before, start = scrape(base), time.perf_counter()
+                    if kind == "concurrency":
+                        records = asyncio.run(at_concurrency(base, served, prompts, value, max_tokens, timeout_s))
+                    else:
+                        records = asyncio.run(at_rate(base, served, prompts, value, max_tokens, timeout_s))
+                    wall = time.perf_counter() - start
+                    steps, seen = _read_trace(trace, seen)
+                    row = {"method": spec.label, "kind": kind, "level": value,
+                           **summarise_level(records, wall, before, scrape(base), steps),
+                           "records": [asdict(r) for r in records]}
+                    rows.append(row)
+                    log(f"[{spec.label}] {kind}={value}: {row['throughput_tok_s']} tok/s, mean batch "
+                        f"{_fmt(row['mean_batch_size'])}, mean tree {_fmt(row['mean_tree_size'])}, tau "
+                        f"{_fmt(row['tau'])}, tree by B {row['tree_size_by_batch']}, errors {len(row['errors'])}")
+    return {"rows": rows, "summary": summarise_runs(rows)}
+
+
+def summarise_runs(rows: list[dict]) -> list[dict]:
+    """One line per (method, level): the figures above, the speed-up over AR at the same level, and whether
+    every output equals AR's."""
+    ar = {(r["kind"], r["level"]): r for r in rows if r["method"] == "ar"}
+    out = []
+    for r in rows:
+        base = ar.get((r["kind"], r["level"]))
+        line = {k: v for k, v in r.items() if k not in ("records", "outputs")}
+        line["speedup_vs_ar"] = (round(r["throughput_tok_s"] / base["throughput_tok_s"], 3)
+                                 if base and base["throughput_tok_s"] else None)
+        line["same_as_ar"] = (sum(r["outputs"].get(k) == v for k, v in base["outputs"].items())
+                              if base else None)
+        out.append(line)
+    return out
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(summary: list[dict]) -> str:
+    lines = ["| method | load | tok/s | vs AR | TTFT p50 / p99 s | ITL p50 / p99 s | E2E p50 / p99 s | mean B | "
+             "mean tree | tau | tree by B | same as AR |", "|" + "---|" * 12]
+    for s in summary:
+        load = f"c={s['level']}" if s["kind"] == "concurrency" else f"{s['level']}/s"
+        by_b = ", ".join(f"{b}: {v}" for b, v in s["tree_size_by_batch"].items()) or "-"
+        lines.append(f"| `{s['method']}` | {load} | {_fmt(s['throughput_tok_s'])} | {_fmt(s['speedup_vs_ar'])}x | "
+                     f"{_fmt(s['ttft_p50_s'])} / {_fmt(s['ttft_p99_s'])} | {_fmt(s['itl_p50_s'], 3)} / "
+                     f"{_fmt(s['itl_p99_s'], 3)} | {_fmt(s['e2e_p50_s'], 1)} / {_fmt(s['e2e_p99_s'], 1)} | "
+                     f"{_fmt(s['mean_batch_size'])} | {_fmt(s['mean_tree_size'], 1)} | {_fmt(s['tau'])} | {by_b} | "
+                     f"{_fmt(s['same_as_ar'])}/{s['requests']} |")
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.6))
+    methods = list(dict.fromkeys(s["method"] for s in summary))
+    for method in methods:
+        fixed = [s for s in summary if s["method"] == method and s["kind"] == "concurrency"]
+        if fixed:
+            levels = [s["level"] for s in fixed]
+            left.plot(levels, [s["throughput_tok_s"] for s in fixed], marker="o", label=method)
+            middle.plot(levels, [s["itl_p50_s"] for s in fixed], marker="o", label=method)
+        trees = {}
+        for s in summary:
+            if s["method"] == method:
+                for b, size in s["tree_size_by_batch"].items():
+                    trees.setdefault(int(b), []).append(size)
+        if trees and any(max(v) > 0 for v in trees.values()):
+            bs = sorted(trees)
+            right.plot(bs, [statistics.fmean(trees[b]) for b in bs], marker="o", label=method)
+    left.set(xlabel="concurrent clients", ylabel="generated tokens / s", title="throughput", xscale="log", xticks=[])
+    middle.set(xlabel="concurrent clients", ylabel="seconds", title="inter-chunk latency p50", xscale="log")
+    right.set(xlabel="batch size in the step", ylabel="drafted nodes verified per row",
+              title="tree size chosen per batch size", xscale="log")
+    for ax in (left, middle, right):
+        levels = sorted({s["level"] for s in summary if s["kind"] == "concurrency"})
+        if ax is not right and levels:
+            ax.set_xticks(levels, [str(v) for v in levels])
+        ax.grid(alpha=0.3)
+    right.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    left.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def save(result: dict, out_dir: Path, name: str, command: str, title: str, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"meta": {**meta, "command": command}, **result}
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    meta_line = ", ".join(f"{k} {v}" for k, v in meta.items())
+    (out_dir / f"{name}.md").write_text(f"# {title}\n\nCommand:\n\n```\n{command}\n```\n\n{meta_line}\n\n"
+                                        f"{markdown_table(result['summary'])}\n\n![plot]({name}.png)\n")
+    plot(result["summary"], out_dir / f"{name}.png", title)
