@@ -251,10 +251,13 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
                 levels = [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]
                 for kind, value in levels:
                     before, start = scrape(base), time.perf_counter()
-                    if kind == "concurrency":
-                        records = asyncio.run(at_concurrency(base, served, prompts, value, max_tokens, timeout_s))
-                    else:
-                        records = asyncio.run(at_rate(base, served, prompts, value, max_tokens, timeout_s))
+                    level = (at_concurrency if kind == "concurrency" else at_rate)(base, served, prompts, value,
+                                                                                    max_tokens, timeout_s)
+                    try:
+                        records = asyncio.run(level)
+                    except TimeoutError:  # the level is reported as failed; the run goes on
+                        records = [RequestRecord(p["id"], start, error=f"level timed out after {timeout_s:.0f} s")
+                                   for p in prompts]
                     wall = time.perf_counter() - start
                     steps, seen = _read_trace(trace, seen)
                     row = {"method": spec.label, "kind": kind, "level": value,
