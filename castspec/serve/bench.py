@@ -314,29 +314,31 @@ def plot(summary: list[dict], out: Path, title: str) -> None:
 
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.6))
     methods = list(dict.fromkeys(s["method"] for s in summary))
-    for method in methods:
+    levels = sorted({s["level"] for s in summary if s["kind"] == "concurrency"})
+    for i, method in enumerate(methods):
+        style = {"marker": "o", "label": method, "color": f"C{i % 10}"}
         fixed = [s for s in summary if s["method"] == method and s["kind"] == "concurrency"]
         if fixed:
-            levels = [s["level"] for s in fixed]
-            left.plot(levels, [s["throughput_tok_s"] for s in fixed], marker="o", label=method)
-            middle.plot(levels, [s["itl_p50_s"] for s in fixed], marker="o", label=method)
-        trees = {}
+            left.plot([s["level"] for s in fixed], [s["throughput_tok_s"] for s in fixed], **style)
+            middle.plot([s["level"] for s in fixed], [s["itl_p50_s"] for s in fixed], **style)
+        trees: dict[int, list[float]] = {}
         for s in summary:
             if s["method"] == method:
                 for b, size in s["tree_size_by_batch"].items():
                     trees.setdefault(int(b), []).append(size)
-        if trees and any(max(v) > 0 for v in trees.values()):
+        if trees:
             bs = sorted(trees)
-            right.plot(bs, [statistics.fmean(trees[b]) for b in bs], marker="o", label=method)
-    left.set(xlabel="concurrent clients", ylabel="generated tokens / s", title="throughput", xscale="log", xticks=[])
-    middle.set(xlabel="concurrent clients", ylabel="seconds", title="inter-chunk latency p50", xscale="log")
-    right.set(xlabel="batch size in the step", ylabel="drafted nodes verified per row",
-              title="tree size chosen per batch size", xscale="log")
+            right.plot(bs, [statistics.fmean(trees[b]) for b in bs], **style)
+    left.set(xlabel="concurrent clients", ylabel="generated tokens / s", title="throughput")
+    middle.set(xlabel="concurrent clients", ylabel="seconds", title="inter-chunk latency p50")
+    right.set(xlabel="rows in the step", ylabel="drafted nodes verified per row",
+              title="tree size chosen per batch size (mean over levels)")
     for ax in (left, middle, right):
-        levels = sorted({s["level"] for s in summary if s["kind"] == "concurrency"})
-        if ax is not right and levels:
-            ax.set_xticks(levels, [str(v) for v in levels])
+        ax.set_xscale("log")
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
+    for ax in (left, middle):
+        ax.set_xticks(levels, [str(v) for v in levels])
     right.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
     left.legend(fontsize=8)
     fig.suptitle(title)
