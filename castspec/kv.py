@@ -47,9 +47,8 @@ def crop(cache: DynamicCache, length: int) -> None:
 @torch.inference_mode()
 def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     """Keep only the batch rows `rows` (finished sequences leave the batch)."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None:  # a layer that never ran holds nothing yet
-            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+    for layer in _filled_layers(cache):
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
 
 @torch.inference_mode()
@@ -82,7 +81,8 @@ def keep_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
         layer.values = layer.values[..., :end, :]
 
 
-def _layer_shapes(cache: DynamicCache) -> list:
+def _filled_layers(cache: DynamicCache) -> list:
+    """The cache's layers that hold entries (a layer that never ran holds nothing yet)."""
     return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
 
 
@@ -97,8 +97,8 @@ def append_rows(cache: DynamicCache, valid: torch.Tensor, other: DynamicCache | 
     joined_valid = torch.zeros(rows, width, dtype=torch.bool)
     joined_valid[: valid.shape[0], width - valid.shape[1]:] = valid
     joined_valid[valid.shape[0]:, width - other_valid.shape[1]:] = other_valid
-    mine = _layer_shapes(cache)
-    theirs = _layer_shapes(other) if other is not None else []
+    mine = _filled_layers(cache)
+    theirs = _filled_layers(other) if other is not None else []
     if not mine and not theirs:
         return cache, joined_valid
     if mine and theirs and len(mine) != len(theirs):
@@ -151,7 +151,7 @@ def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
     slot = (torch.arange(width)[None] - shift).clamp(min=0)
     columns = order.gather(1, slot)
     new_valid = torch.arange(width)[None] >= shift
-    for layer in _layer_shapes(cache):
+    for layer in _filled_layers(cache):
         index = columns.to(layer.keys.device)[:, None, :, None]
         layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
         layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
