@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,24 +18,28 @@ from castspec.drafters.with_ngram import NgramAugmentedDrafter
 from castspec.engine import StepEngine, StepStats, StopCondition, decode
 from castspec.errors import CastspecError
 from castspec.models import castspec_home, load_model
+from castspec.online_cost import OnlineCostTable, learned_path
 from castspec.policies import ChainPolicy, Eagle2Policy, Policy
 from castspec.sampling import SamplingParams
 from castspec.target import Target
 
 METHODS = ("ar", "chain", "eagle2", "cast")
+COST_MODELS = ("online", "fixed")
 DRAFTERS = ("ngram",)
 
 
 def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
                 cost_table: CostTable | None = None, cast_c1: float = 4.0, cast_c2: float = 3.0,
                 cast_c3: float = 2.5, cast_r: int = 8, cast_max_depth: int = 8, cast_auto: bool = True,
-                cast_top_k: int = 8, cast_calibrate: bool = False) -> Policy | None:
+                cast_top_k: int = 8, cast_calibrate: bool = False, cast_payoff: bool | None = None
+                ) -> Policy | None:
     if method == "cast":
         if cost_table is None:
-            raise CastspecError("method 'cast' needs a cost table: --cost-table TABLE.json "
-                                "(make one with castspec profile), or one saved under $CASTSPEC_HOME/costs")
+            raise CastspecError("method 'cast' with a fixed cost model needs a cost table: --cost-table TABLE.json "
+                                "(make one with castspec profile), one saved under $CASTSPEC_HOME/costs, or "
+                                "--cost-model online (learns the costs as it decodes)")
         return CastPolicy(cost_table, cast_c1, cast_c2, cast_c3, cast_r, cast_max_depth, cast_top_k,
-                          auto=cast_auto, calibrate=cast_calibrate)
+                          auto=cast_auto, calibrate=cast_calibrate, payoff=cast_payoff)
     if method == "ar":
         return None
     if method == "chain":
@@ -59,9 +64,75 @@ def find_cost_table(expect: dict, drafter: str) -> CostTable | None:
             table = CostTable.load(path, expect=expect)
         except CastspecError:
             continue
+        if table.meta.get("online"):  # a learned table is continued by the online model, not read as fixed
+            continue
         if table.meta.get("draft", {}).get("model", table.meta.get("draft", {}).get("drafter")) == drafter:
             found.append(table)
     return max(found, key=lambda t: (len(t.target.batch_sizes), max(t.target.batch_sizes)), default=None)
+
+
+def probe_timers(target_model, drafter: Drafter):
+    """One-forward timers of the target and of the drafter as CAST prices it (a merged drafter by its model
+    drafter: the n-gram lookups cost microseconds beside a forward)."""
+    from castspec import cost
+
+    if isinstance(drafter, NgramAugmentedDrafter):
+        drafter = drafter.primary
+
+    def target(b: int, c: int, n: int) -> float:
+        return cost.time_forward(target_model, b, c, n, repeats=1, warmup=0)
+
+    if isinstance(drafter, EagleHeadDrafter):  # first: a head drafter is a kind of draft-model drafter
+        def draft(b: int, c: int, n: int) -> float:
+            return cost.time_head(drafter.head, target_model, b, c, n, repeats=1, warmup=0)
+    elif isinstance(drafter, DraftModelDrafter):
+        def draft(b: int, c: int, n: int) -> float:
+            return cost.time_forward(drafter.model, b, c, n, repeats=1, warmup=0)
+    else:
+        def draft(b: int, c: int, n: int) -> float:
+            return cost.time_ngram(n * b, c, repeats=1)
+    return target, draft
+
+
+def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: CostTable | None = None,
+                      fresh: bool = False, log=None) -> OnlineCostTable:
+    """CAST's cost model when it learns: continued from what an earlier run on this setup saved under
+    $CASTSPEC_HOME/costs, else started from a profiled table (`seed`), else from a probe of a few forwards
+    (seconds). `fresh`: from a probe whatever is saved, as on an empty $CASTSPEC_HOME (what it learns is saved
+    as usual, over any earlier learned table of this setup)."""
+    def progress(msg: str) -> None:
+        print(f"\r{msg}", end="", file=sys.stderr, flush=True)
+
+    if log is not None:
+        progress = None  # a caller with its own log gets the summary line only
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    key = setup_key(target_model)
+    model_free = drafter_id == "ngram" or drafter_id.startswith("eagle-head:")
+    meta = {"target": key, "draft": {"drafter": drafter_id, "model": drafter_id} if model_free else
+            {"model": drafter_id}, "date": time.strftime("%Y-%m-%d %H:%M")}
+    path = learned_path(castspec_home(), key, drafter_id)
+    if not fresh and path.exists():
+        try:
+            table = OnlineCostTable.load_learned(path, meta)
+            log(f"cost model: online, going on from {table.target_curve.observations} timed forwards saved in "
+                f"{path}")
+            return table
+        except CastspecError as e:
+            log(f"cost model: {e}; starting anew")
+    table = OnlineCostTable(meta, path=path)
+    if seed is not None and seed.draft is not None and not fresh:
+        table.target_curve.seed_from(seed.target)
+        table.draft_curve.seed_from(seed.draft)
+        log("cost model: online, starting from the profiled table for this setup")
+        return table
+    start = time.perf_counter()
+    target_timer, draft_timer = probe_timers(target_model, drafter)
+    table.probe(target_timer, draft_timer, progress=progress)
+    if progress is not None:
+        print(file=sys.stderr)
+    log(f"cost model: online, probed in {time.perf_counter() - start:.1f} s (no table for this setup yet); "
+        "every step refines it")
+    return table
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -142,7 +213,8 @@ class Engine:
     @classmethod
     def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
              dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
-             head: str | None = None, with_ngram: bool = False, **policy_options) -> Engine:
+             head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
+             **policy_options) -> Engine:
         if method not in METHODS:
             raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         if method != "ar" and draft is None and drafter is None and head is None:
@@ -153,6 +225,8 @@ class Engine:
         if with_ngram and draft is None and head is None:
             raise CastspecError("with_ngram merges n-gram proposals into a draft model's or an EAGLE head's trees: "
                                 "give --draft or --head too (--drafter ngram alone is the n-gram drafter)")
+        if cost_model not in COST_MODELS:
+            raise CastspecError(f"unknown cost model {cost_model!r}; choose from {', '.join(COST_MODELS)}")
         if drafter is not None and drafter not in DRAFTERS:
             raise CastspecError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)} "
                                 "(or pass a draft model with --draft)")
@@ -163,20 +237,22 @@ class Engine:
         if draft is not None:
             draft_model, draft_tokenizer = load_model(draft, dtype, device)
             check_compatible(target_model, tokenizer, draft_model, draft_tokenizer)
-        table = None
-        if method == "cast":
-            expect = setup_key(target_model)
-            table = (CostTable.load(cost_table, expect=expect, force=force_table) if cost_table
-                     else find_cost_table(expect, drafter_identity(draft_model, head)))
-        policy = make_policy(method, cost_table=table, **policy_options)
         chosen: Drafter | None = None
-        if policy is not None:
+        if method != "ar":
             if head is not None:
                 chosen = EagleHeadDrafter(load_eagle_head(head, target_model), target_model)
             else:
                 chosen = DraftModelDrafter(draft_model) if draft_model is not None else NgramDrafter()
             if with_ngram:
                 chosen = NgramAugmentedDrafter(chosen)
+        table = None
+        if method == "cast":
+            expect, drafter_id = setup_key(target_model), drafter_identity(draft_model, head)
+            table = (CostTable.load(cost_table, expect=expect, force=force_table) if cost_table
+                     else find_cost_table(expect, drafter_id))
+            if cost_model == "online":
+                table = online_cost_model(target_model, chosen, drafter_id, seed=table)
+        policy = make_policy(method, cost_table=table, **policy_options)
         return cls(target_model, tokenizer, chosen, policy)
 
     def stepper(self, max_batch_size: int = 8, max_waiting: int | None = None) -> StepEngine:

@@ -16,7 +16,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from castspec.api import Engine, drafter_identity, find_cost_table, make_policy
+from castspec.api import Engine, drafter_identity, find_cost_table, make_policy, online_cost_model
 from castspec.cost import device_name, setup_key
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
@@ -36,8 +36,8 @@ class MethodSpec:
 
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")
 METHOD_OPTIONS = {"ar": (), "chain": ("chain_length",), "eagle2": ("top_k", "depth", "total_tokens"),
-                  "cast": ("auto", "calibrate", "cast_c1", "cast_c2", "cast_c3", "cast_r", "cast_max_depth",
-                           "cast_top_k")}
+                  "cast": ("auto", "calibrate", "payoff", "online", "cast_c1", "cast_c2", "cast_c3", "cast_r",
+                           "cast_max_depth", "cast_top_k")}
 ITEM_DRAFTERS = ("draft", "ngram", "head", "draft+ngram", "head+ngram")
 # method-item options that configure the drafter, not the policy: the n-gram sizes, wherever an n-gram index drafts
 DRAFTER_OPTIONS = {d: ("max_n", "min_n") for d in ITEM_DRAFTERS if d.endswith("ngram")}
@@ -103,6 +103,9 @@ def policy_options(spec: MethodSpec, costs=None) -> dict:
         options["cost_table"] = costs
         options["cast_auto"] = bool(options.pop("auto", 1))
         options["cast_calibrate"] = bool(options.pop("calibrate", 0))
+        options.pop("online", None)  # chooses the cost table, which the caller passed in
+        if "payoff" in options:
+            options["cast_payoff"] = bool(options.pop("payoff"))
     return options
 
 
@@ -141,15 +144,8 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
         if spec.method.startswith("hf-"):
             runners[spec.label] = _HfBaseline(target_model, tokenizer, spec.method, draft_model)
             continue
-        costs = None
-        if spec.method == "cast":
-            # the n-gram lookups cost microseconds: a merged drafter is priced by its model drafter's table
-            drafter_id = drafter_identity(draft_model if spec.drafter.startswith("draft") else None,
-                                          head[1] if spec.drafter.startswith("head") else None)
-            costs = find_cost_table(setup_key(target_model), drafter_id)
-        policy = make_policy(spec.method, **policy_options(spec, costs))
         drafter = None
-        if policy is not None:
+        if spec.method != "ar":
             if spec.drafter.startswith("head"):
                 drafter = EagleHeadDrafter(head[0], target_model)
             elif spec.drafter.startswith("draft"):
@@ -157,6 +153,16 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
             if spec.drafter.endswith("ngram"):
                 ngram = NgramDrafter(**drafter_options(spec))
                 drafter = ngram if drafter is None else NgramAugmentedDrafter(drafter, ngram)
+        costs = None
+        if spec.method == "cast":
+            # the n-gram lookups cost microseconds: a merged drafter is priced by its model drafter's table
+            drafter_id = drafter_identity(draft_model if spec.drafter.startswith("draft") else None,
+                                          head[1] if spec.drafter.startswith("head") else None)
+            costs = find_cost_table(setup_key(target_model), drafter_id)
+            online = spec.options.get("online", 1)
+            if online:  # 1: as `castspec generate` does; 2: from a probe, as on an empty $CASTSPEC_HOME
+                costs = online_cost_model(target_model, drafter, drafter_id, seed=costs, fresh=online == 2)
+        policy = make_policy(spec.method, **policy_options(spec, costs))
         runners[spec.label] = Engine(target_model, tokenizer, drafter, policy)
     return runners
 

@@ -117,7 +117,7 @@ class CastPolicy(Policy):
 
     def __init__(self, costs: CostTable, c1: float | None = 4.0, c2: float | None = 3.0, c3: float | None = 2.5,
                  fifo_size: int = 8, max_depth: int = 8, top_k: int = 8, max_verify: int = 64,
-                 auto: bool = False, calibrate: bool = False) -> None:
+                 auto: bool = False, calibrate: bool = False, payoff: bool | None = None) -> None:
         if costs.draft is None:
             raise CastspecError("CAST needs a cost table with a drafter table (castspec profile --draft/--drafter)")
         if fifo_size < 1 or max_depth < 1 or top_k < 1 or max_verify < 1:
@@ -128,7 +128,9 @@ class CastPolicy(Policy):
         self.fifo_size, self.max_depth, self.top_k, self.max_verify, self.auto = (
             fifo_size, max_depth, top_k, max_verify, auto)
         self.calibration = AcceptanceCalibration() if calibrate else None
-        self.payoff = DraftingPayoff() if calibrate else None
+        # the payoff gate is on wherever CAST adapts (auto or calibrated) unless asked otherwise: it is what keeps a
+        # drafter that does not pay on this machine at AR's speed instead of below it
+        self.payoff = DraftingPayoff() if (auto or calibrate if payoff is None else payoff) else None
         self._step_price: float | None = None  # this step's price in AR steps so far; None: not drafting
         self.ratios: deque[float] = deque([1.0], maxlen=fifo_size)
         self.goodput = None  # tokens per second, measured (exponential average)
@@ -190,8 +192,10 @@ class CastPolicy(Policy):
         """Auto mode: draft only if some chain could beat AR even at the best: d drafted tokens, all accepted,
         must be worth more than their cost (d draft forwards of one node plus the wider verify forward). Where
         no depth passes, speculation cannot pay on this hardware and the step is plain AR.
-        Calibrated (either mode): also only while drafting has paid lately (`DraftingPayoff`): a drafter whose
-        scores no calibration can fix still costs its forwards, and only skipping them stops that loss."""
+        Payoff gate (on by default in auto or calibrated mode): also only while drafting has paid lately
+        (`DraftingPayoff`): the test above assumes every drafted token is accepted, so a drafter whose forwards
+        cost a good share of a target step, or whose scores no calibration can fix, still costs its forwards;
+        only skipping them stops that loss."""
         if self.payoff is not None and self.payoff.expected <= 0:
             return False
         if not self.auto:
@@ -256,4 +260,5 @@ class CastPolicy(Policy):
     def describe(self) -> str:
         mode = "auto" if self.auto else f"C1={self.c1}, C2={self.c2}, C3={self.c3}"
         mode += ", calibrated" if self.calibration is not None else ""
+        mode += ", payoff-gated" if self.payoff is not None else ""
         return f"cast({mode}, R={self.fifo_size}, max_depth={self.max_depth}, top_k={self.top_k})"

@@ -27,6 +27,9 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-table", help="cast: cost table from castspec profile (default: a matching table "
                                         "under $CASTSPEC_HOME/costs)")
     g.add_argument("--force-table", action="store_true", help="cast: use a table measured on another setup")
+    g.add_argument("--cost-model", choices=["online", "fixed"], default="online",
+                   help="cast: learn the costs from every step, starting from a saved or profiled table or a "
+                        "few-second probe (online, default), or read a profiled table as it is (fixed)")
     g.add_argument("--cast-mode", choices=["auto", "paper"], default="auto",
                    help="cast: thresholds from the measured goodput (auto) or fixed C1/C2/C3 (paper)")
     g.add_argument("--cast-c1", type=float, default=4.0, help="cast paper mode: breadth threshold")
@@ -35,6 +38,9 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cast-calibration", choices=["on", "off"], default="off",
                    help="cast: learn P(accepted | draft score) from the verified trees and use it as the utility "
                         "(for drafters whose scores are not probabilities of acceptance)")
+    g.add_argument("--cast-payoff", choices=["on", "off"],
+                   help="cast: draft only while drafting has paid lately, priced by the cost table (default: on in "
+                        "auto mode or with calibration, off in paper mode)")
     g.add_argument("--cast-r", type=int, default=8, help="cast: depth-ratio FIFO size R")
     g.add_argument("--cast-max-depth", type=int, default=8, help="cast: hard maximum depth")
     g.add_argument("--trace", help="write each step's tree decisions to this JSONL file")
@@ -62,10 +68,12 @@ def _load_engine(args):
     if args.method == "cast":
         options.update(cast_c1=args.cast_c1, cast_c2=args.cast_c2, cast_c3=args.cast_c3, cast_r=args.cast_r,
                        cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto",
-                       cast_calibrate=args.cast_calibration == "on")
+                       cast_calibrate=args.cast_calibration == "on",
+                       cast_payoff=None if args.cast_payoff is None else args.cast_payoff == "on")
     return Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, head=args.head,
                        with_ngram=args.with_ngram, dtype=args.dtype,
-                       device=args.device, cost_table=args.cost_table, force_table=args.force_table, **options)
+                       device=args.device, cost_table=args.cost_table, force_table=args.force_table,
+                       cost_model=args.cost_model, **options)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -207,6 +215,8 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--validate", metavar="TABLE", help="measure held-out points and report the table's error")
     prof.add_argument("--points", type=int, default=20, help="held-out points for --validate")
     prof.add_argument("--plot", nargs=2, metavar=("TABLE", "OUT_PNG"), help="plot a table's cost curves")
+    prof.add_argument("--compare", metavar="TABLE",
+                      help="with --plot: draw this table (e.g. a learned one) over the plotted one's grid points")
     prof.add_argument("--force", action="store_true", help="use a table measured on another setup")
 
     train = sub.add_parser("train-head", help="train an EAGLE-1/2 or EAGLE-3 draft head for a target on this machine")
@@ -591,36 +601,12 @@ def _cmd_demo(args) -> None:
     if args.draft in (None, "", "none"):
         raise CastspecError("the demo drafts with a draft model: give one with --draft")
     target, tokenizer, draft = _load_pair(args.model, args.draft, "bf16")
-    _ensure_cost_table(target, args.model, draft, args.draft)
     prompts = _prompts("mtbench,humaneval,gsm8k", args.prompts, 0)
     result = run_benchmark(target, tokenizer, draft, parse_methods(DEMO_METHODS + ";cast:draft"), prompts,
                            args.max_new_tokens)
     print(markdown_table([r for r in result["summary"] if r["task"] == "all"]))
     print("speed-up = tokens/s over plain AR measured in this run; tau = mean tokens per target forward; "
           "'same as AR' counts outputs identical to AR (bf16 may flip near-ties; exactness is proven in fp32 tests)")
-
-
-def _ensure_cost_table(target, target_source: str, draft, draft_source: str) -> None:
-    """CAST reads a latency table measured on this machine; the first demo here measures one (about a minute) and
-    keeps it under $CASTSPEC_HOME/costs, where every later CAST run with this pair finds it."""
-    import re
-
-    from castspec import cost
-    from castspec.api import drafter_identity, find_cost_table
-    from castspec.models import castspec_home
-
-    if find_cost_table(cost.setup_key(target), drafter_identity(draft, None)) is not None:
-        return
-    print("castspec demo: no cost table for this pair on this machine yet: profiling one (about a minute) ...",
-          flush=True)
-    passes = 3
-    timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, repeats=1),
-              "draft": lambda b, c, n: cost.time_forward(draft, b, c, n, repeats=1)}
-    meta = _table_meta(target, target_source, "bf16", passes, "castspec demo", draft, draft_source)
-    table = _measure_table(target, timers, [1], [128, 512], cost.token_grid(32), meta, passes)
-    name = re.sub(r"[^\w.-]+", "_", f"demo-{Path(target_source).name}-{Path(draft_source).name}-bf16-b1")
-    table.save(castspec_home() / "costs" / f"{name}.json")
-    print(f"castspec demo: cost table saved to {castspec_home() / 'costs' / name}.json", flush=True)
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -641,7 +627,7 @@ def _cmd_profile(args) -> None:
 
     if args.plot:
         table = cost.CostTable.load(args.plot[0])
-        cost.plot_table(table, args.plot[1])
+        cost.plot_table(table, args.plot[1], cost.CostTable.load(args.compare) if args.compare else None)
         print(args.plot[1])
         return
     if args.repeats < 1:

@@ -397,7 +397,9 @@ def held_out_points(grid: CostGrid, count: int, seed: int = 0) -> list[tuple[int
     return points
 
 
-def plot_table(table: CostTable, out: str | Path) -> None:
+def plot_table(table: CostTable, out: str | Path, compare: CostTable | None = None) -> None:
+    """The table's measured curves (ms per forward against n, per batch size and context); with `compare`
+    (a learned table, say), that table's predictions at the same points, dotted, with its median deviation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -407,6 +409,7 @@ def plot_table(table: CostTable, out: str | Path) -> None:
     fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.5), squeeze=False)
     styles = ["-", "--", ":", "-."]
     for ax, (name, grid) in zip(axes[0], grids, strict=True):
+        other = None if compare is None else compare.target if name == "target" else compare.draft
         cmap = plt.get_cmap("viridis")
         for bi, b in enumerate(grid.batch_sizes):
             color = cmap(bi / max(1, len(grid.batch_sizes) - 1))
@@ -416,10 +419,18 @@ def plot_table(table: CostTable, out: str | Path) -> None:
                 ci = grid.contexts.index(c)
                 ax.plot(grid.tokens, [s * 1e3 for s in grid.seconds[bi][ci]], styles[si % 4], color=color,
                         marker=".", label=f"B={b}, c={c}")
+                if other is not None:
+                    ax.plot(grid.tokens, [other(b, c, n) * 1e3 for n in grid.tokens], ":", color=color,
+                            marker="x", markersize=4, linewidth=1)
         ax.set_xlabel("new tokens per sequence (n)")
         ax.set_ylabel("ms per forward")
         model = table.meta.get(name, {}).get("model", name)
-        ax.set_title(f"{name}: {model}", fontsize=9)
+        title = f"{name}: {model}"
+        if other is not None:
+            deviation = statistics.median(abs(other(b, c, n) / grid(b, c, n) - 1) for b in grid.batch_sizes
+                                          for c in grid.contexts for n in grid.tokens)
+            title += f"\ndotted x: compared table, median deviation {deviation * 100:.1f}%"
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, ncols=2)
     fig.suptitle(f"{table.meta.get('target', {}).get('device', '')}, "

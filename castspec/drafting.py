@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,8 @@ class DraftRecord:
     widths: list[int] = field(default_factory=list)  # how many of them were expanded (the last is 0)
     verify_budget: int = 0
     decisions: dict = field(default_factory=dict)  # the policy's own account of its choices, if it keeps one
+    # timed drafter calls when a clock was given: (context added this step, new tokens per row, seconds)
+    forwards: list[tuple[int, int, float]] = field(default_factory=list)
 
     @property
     def depth(self) -> int:
@@ -78,15 +81,19 @@ def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
 
 def grow_trees(
     drafter: Drafter, policy: Policy, new_tokens: list[list[int]], ctx: StepContext,
-    features: list[torch.Tensor] | None = None,
+    features: list[torch.Tensor] | None = None, clock: Callable[[], float] | None = None,
 ) -> tuple[list[DraftTree], DraftRecord]:
     """Draft one tree per row, rooted at new_tokens[b][-1]. The batch shares one width per layer and one verify
-    budget (METHOD.md section 3); each row expands and keeps its own best nodes."""
+    budget (METHOD.md section 3); each row expands and keeps its own best nodes. With a `clock`, every drafter
+    call is timed into `record.forwards` (for an online cost model)."""
     record = DraftRecord()
     policy.start_step(ctx)
     pools = [_Pool(tokens[-1]) for tokens in new_tokens]
+    start = clock() if clock else 0.0
     cands = drafter.begin(new_tokens, policy.top_k, features)
-    frontiers, layer = [[0] for _ in pools], 1
+    if clock:
+        record.forwards.append((0, max(len(t) for t in new_tokens), clock() - start))
+    frontiers, layer, drafted = [[0] for _ in pools], 1, 0
     try:
         while True:
             layers = [pool.add_layer(f, c, policy) for pool, f, c in zip(pools, frontiers, cands, strict=True)]
@@ -97,7 +104,11 @@ def grow_trees(
             if width == 0 or layer >= ctx.depth_limit:
                 break
             frontiers = [nodes[:width] for nodes, _ in layers]
+            start = clock() if clock else 0.0
             cands = drafter.expand([pool.tree() for pool in pools], frontiers, policy.top_k)
+            if clock:
+                record.forwards.append((drafted, max(len(f) for f in frontiers), clock() - start))
+            drafted += width
             layer += 1
     finally:
         drafter.end_step()

@@ -17,6 +17,7 @@ import torch
 from castspec.drafters.base import Drafter
 from castspec.drafting import DraftRecord, grow_trees
 from castspec.errors import CastspecError
+from castspec.online_cost import OnlineCostTable
 from castspec.policies import Policy, StepContext
 from castspec.sampling import SamplingParams
 from castspec.target import Target
@@ -152,6 +153,9 @@ class StepEngine:
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids or ())
         self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
         self.layers = drafter.feature_layers if drafter is not None else ()
+        # a learning cost model takes this engine's timed forwards (it only changes which trees CAST picks)
+        costs = getattr(policy, "costs", None)
+        self.learner: OnlineCostTable | None = costs if isinstance(costs, OnlineCostTable) else None
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # row i of the target's (and drafter's) batch
         self.aborted: set[str] = set()
@@ -284,7 +288,8 @@ class StepEngine:
         trees, record = [DraftTree.single(s.root) for s in rows], DraftRecord()
         if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
             trees, record = grow_trees(drafter, policy, [s.unseen for s in rows], ctx,
-                                       [torch.cat(s.features) for s in rows] if self.layers else None)
+                                       [torch.cat(s.features) for s in rows] if self.layers else None,
+                                       (lambda: _clock(target.device)) if self.learner else None)
             trees = [t.subtree((t.depths <= limit).nonzero().flatten())  # rows nearer their end draft less deep
                      for t, limit in zip(trees, limits, strict=True)]
             for s in rows:
@@ -311,12 +316,30 @@ class StepEngine:
             outputs.append(self._output(s))
         if policy is not None:
             policy.observe(sum(emitted) / len(rows), t2 - t0)
+        if self.learner is not None:
+            self._learn(ctx, max(len(t) for t in trees), record, t1 - t0, t2 - t1)
         kept = [[0, *results[i][0]] for i in going]
         self._keep(going)
         if going:
             target.commit(kept)
         self.last_step = StepInfo("decode", len(rows), [len(t) - 1 for t in trees], emitted, record, t2 - t0)
         return outputs
+
+    def _learn(self, ctx: StepContext, verified: int, record: DraftRecord, draft_s: float, verify_s: float) -> None:
+        """Feed the step's timed forwards to the online cost model; the trace gets what it predicted for them
+        beside what they took."""
+        costs, b, c = self.learner, ctx.batch_size, ctx.context_length
+        timing = {"verify_s": verify_s, "verify_predicted_s": costs.f_target(b, c, verified), "draft_s": draft_s,
+                  "draft_predicted_s": sum(costs.f_draft(b, c + extra, n) for extra, n, _ in record.forwards)}
+        costs.observe_target(b, c, verified, verify_s)
+        for extra, n, seconds in record.forwards:
+            costs.observe_draft(b, c + extra, n, seconds)
+        record.decisions["timing"] = {k: round(v, 6) for k, v in timing.items()}
+
+    def flush_costs(self) -> None:
+        """Save what the online cost model learned (decode() does at its end, the server when it stops)."""
+        if self.learner is not None:
+            self.learner.flush()
 
     # -- outputs ----------------------------------------------------------------------------------------------
     def _output(self, seq: _Sequence) -> RequestOutput:
@@ -363,5 +386,6 @@ def decode(
         for out in engine.step():
             b = int(out.request_id)
             outputs[b], steps[b] = out.output_ids, out.steps
+    engine.flush_costs()
     return outputs, steps
 

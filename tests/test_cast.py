@@ -273,7 +273,9 @@ def _drafting_steps(policy: CastPolicy, accepts_all: bool, steps: int = 150) -> 
             if accepts_all:
                 path = max(tree.paths(), key=len)[1:]
         policy.observe_tree(tree, path)
-        policy.observe(len(path) + 1, 0.1)
+        # the step takes the time the table prices it at, so that auto mode measures a goodput it can trust
+        price = policy._step_price if policy._step_price is not None else 1.0
+        policy.observe(len(path) + 1, price * policy.costs.f_target(1, 16, 1))
     return drafted
 
 
@@ -284,3 +286,15 @@ def test_calibrated_cast_stops_drafting_when_drafting_does_not_pay():
     assert _drafting_steps(policy(False), accepts_all=False) == 150  # the paper's CAST always drafts
     assert 0 < _drafting_steps(policy(True), accepts_all=False) < 15
     assert _drafting_steps(policy(True), accepts_all=True) == 150  # a drafter that pays is never stopped
+
+
+def test_auto_cast_is_payoff_gated_by_default():
+    def policy(**kw) -> CastPolicy:  # drafting is cheap enough that an all-accepted chain would pay
+        return CastPolicy(table(0.1, 0.3), top_k=2, max_depth=3, auto=True, **kw)
+
+    assert policy().payoff is not None and policy().calibration is None
+    assert policy(payoff=False).payoff is None
+    assert CastPolicy(table(0.1, 0.3), top_k=2, max_depth=3).payoff is None  # paper mode stays the paper's
+    assert _drafting_steps(policy(payoff=False), accepts_all=False) == 150
+    assert 0 < _drafting_steps(policy(), accepts_all=False) < 15
+    assert _drafting_steps(policy(), accepts_all=True) > 140

@@ -94,14 +94,19 @@ def test_cast_uses_a_cost_table_and_writes_a_decision_trace(tmp_path):
     assert drafted and all("layers" in s["policy"] and "verify_budget" in s["policy"] for s in drafted)
 
 
-def test_cast_without_any_table_says_how_to_make_one(tmp_path, monkeypatch, capsys):
+def test_cast_without_any_table_probes_online_or_says_how_to_make_one(tmp_path, monkeypatch, capsys):
     from castspec.models import converted_dir, fetch
 
     fetch("smollm2-135m")
     model_dir = str(converted_dir("smollm2-135m"))
     monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))  # no tables here
-    code = main(["generate", "--model", model_dir, "--drafter", "ngram", "--method", "cast", "--prompt", "hi"])
-    assert code == 2 and "needs a cost table" in capsys.readouterr().err
+    cast = ["generate", "--model", model_dir, "--drafter", "ngram", "--method", "cast", "--prompt", "hi",
+            "--max-new-tokens", "4", "--dtype", "fp32"]
+    assert main([*cast, "--cost-model", "fixed"]) == 2
+    assert "needs a cost table" in capsys.readouterr().err
+    assert main(cast) == 0  # online, the default: a probe of a few forwards, then decoding
+    assert "cost model: online, probed in" in capsys.readouterr().err
+    assert list((tmp_path / "costs").glob("online-*.json"))
 
 
 def test_bad_sampling_options_fail_before_loading_a_model():
@@ -210,20 +215,20 @@ def test_bench_resume_keeps_finished_prompts_and_runs_the_rest(tmp_path, capsys)
     assert len(grown) == 8 and [r for r in grown if r["prompt_id"] in (first, second)] == rows
 
 
-def test_demo_profiles_a_cost_table_once_and_runs_cast(tmp_path, monkeypatch, capsys):
+def test_demo_probes_costs_once_then_goes_on_from_what_it_learned(tmp_path, monkeypatch, capsys):
     from castspec.models import converted_dir, fetch
 
     fetch("smollm2-135m")
     model_dir = str(converted_dir("smollm2-135m"))
-    monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))  # no tables here: the demo must measure one
+    monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))  # no tables here: CAST must start from a probe
     demo = ["demo", "--model", model_dir, "--draft", model_dir, "--prompts", "1", "--max-new-tokens", "4"]
     assert main(demo) == 0
-    out = capsys.readouterr().out
-    assert "profiling one" in out and "`cast:draft`" in out
-    tables = list((tmp_path / "costs").glob("*.json"))
-    assert len(tables) == 1 and json.loads(tables[0].read_text())["meta"]["draft"]["source"] == model_dir
-    assert main(demo) == 0  # the second demo finds the table
-    assert "profiling one" not in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "cost model: online, probed in" in captured.err and "`cast:draft`" in captured.out
+    tables = list((tmp_path / "costs").glob("online-*.json"))
+    assert len(tables) == 1 and json.loads(tables[0].read_text())["online"]["target"]["observations"] > 5
+    assert main(demo) == 0  # the second demo goes on from the saved, learned table
+    assert "going on from" in capsys.readouterr().err
     assert main(["demo", "--model", model_dir, "--draft", "none"]) == 2
     assert "give one with --draft" in capsys.readouterr().err
 

@@ -175,3 +175,29 @@ def test_skipped_draft_steps_catch_up_exactly(smollm, smollm_reference, case):
         assert got.output_ids == smollm_reference(tuple(ids), NEW_TOKENS), drafter.name
         sizes = [s.tree_size for s in got.steps]
         assert 0 in sizes and (drafter.name == "ngram" or max(sizes) == 3)
+
+
+@pytest.mark.parametrize("case", [0, 11, 16])
+def test_cast_with_the_online_cost_model_matches_hf_greedy_with_every_drafter(smollm, smollm_reference, random_head,
+                                                                              case, tmp_path, monkeypatch):
+    """The online cost model only changes which trees CAST picks: the output stays the target's own, for every
+    drafter, while the model learns from the step timings (probed first, as on an empty $CASTSPEC_HOME)."""
+    from castspec.api import online_cost_model
+    from castspec.cast import CastPolicy
+    from castspec.drafters.eagle_head import EagleHeadDrafter
+    from castspec.drafters.with_ngram import NgramAugmentedDrafter
+
+    monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))
+    model, tokenizer = smollm
+    drafters = {"draft": DraftModelDrafter(model), "ngram": NgramDrafter(),
+                "head": EagleHeadDrafter(random_head, model),
+                "head+ngram": NgramAugmentedDrafter(EagleHeadDrafter(random_head, model))}
+    for name, drafter in drafters.items():
+        costs = online_cost_model(model, drafter, name, fresh=True, log=lambda message: None)
+        probed = costs.target_curve.observations
+        engine = Engine(model, tokenizer, drafter, CastPolicy(costs, auto=True))
+        ids = engine.encode(prompt=PROMPTS[case])
+        got = engine.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        assert got.output_ids == smollm_reference(tuple(ids), NEW_TOKENS), name
+        assert costs.target_curve.observations == probed + len(got.steps), name  # every verify step learned
+        assert all("timing" in s.draft.decisions for s in got.steps), name

@@ -97,6 +97,13 @@ def server_args(spec: MethodSpec, draft: str | None, head: str | None) -> list[s
             args += ["--cast-mode", "auto" if value else "paper"]
         elif key == "calibrate":
             args += ["--cast-calibration", "on" if value else "off"]
+        elif key == "online":
+            if value not in (0, 1):
+                raise CastspecError(f"{spec.label}: a server reads its costs online (online=1) or from a fixed "
+                                    "table (online=0)")
+            args += ["--cost-model", "online" if value else "fixed"]
+        elif key == "payoff":
+            args += ["--cast-payoff", "on" if value else "off"]
         elif key in CLI_FLAGS:
             args += [CLI_FLAGS[key], str(value)]
         else:

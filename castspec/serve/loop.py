@@ -49,6 +49,11 @@ class EngineLoop:
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            try:
+                self.engine.flush_costs()
+            except OSError as e:  # what was learned is lost, the shutdown is not
+                print(f"castspec serve: could not save the learned cost table: {e}", flush=True)
         if self._trace is not None:
             self._trace.close()
             self._trace = None

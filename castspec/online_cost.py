@@ -1,0 +1,346 @@
+"""Online cost model: f(B, c, n) learned from the forwards the engine times, so that CAST needs no offline profile
+and follows the machine it runs on (docs/cost-model.md).
+
+Each model (target, drafter) has a `LearnedCurve`: cells on a fixed log-spaced grid over batch size B, context c
+and new tokens n, each holding a robust estimate of log-seconds. A timed forward updates its nearest cell, moved
+to the cell's centre along a prior shape (a non-negative fit a + b Bn + d Bc + e Bnc to what was seen), with a
+clipped (Huber) step, so one outlier moves a cell by at most `rate * clip`. Cells never seen take the prior
+times the residual of the cells seen near them, and the grid handed to CAST is made non-decreasing in B, c and
+n. A sustained departure of the measurements from the predictions (the median of the last `window` residuals
+beyond `shift` on a log scale, most of them on the same side) moves every cell and the prior at once: the table
+follows a neighbour's load or a clock change within `window` observations (smaller departures are learned cell by
+cell), while a single slow step changes
+nothing but its own cell, and that by little.
+
+`OnlineCostTable` is a `CostTable` whose grids are snapshots of the two curves, refreshed every few
+observations; it starts from a short probe of the running setup, from a profiled table, or from what an earlier
+run learned (saved under $CASTSPEC_HOME/costs with the setup key)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from castspec.cost import FORMAT, CostGrid, CostTable, _grid_json
+from castspec.errors import CastspecError
+
+BATCH_AXIS = [1, 2, 4, 8, 16, 32, 64]
+CONTEXT_AXIS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+TOKEN_AXIS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+ONLINE_FORMAT = "castspec-online-cost/1"
+
+
+def _nearest(axis: list[int], value: float) -> int:
+    """Index of the axis point nearest `value` on a log scale (values beyond the axis map to its ends)."""
+    v = math.log(max(value, 1e-9))
+    return min(range(len(axis)), key=lambda i: abs(math.log(axis[i]) - v))
+
+
+def _features(b: float, c: float, n: float) -> list[float]:
+    # weights read once per forward (a), work per new token (Bn), KV read per cached entry (Bc), attention (Bnc)
+    return [1.0, b * n, b * c, b * n * c * 1e-3]
+
+
+def fit_prior(points: list[tuple[float, float, float, float, float]]) -> list[float]:
+    """Non-negative coefficients of `_features` minimising the weighted relative squared error over
+    (b, c, n, seconds, weight) points: every subset of features is fitted by least squares and the best one with
+    no negative coefficient kept (an exact non-negative least squares for four features). A small penalty per
+    feature prefers the simpler shape when several fit equally well (one batch size seen says nothing of B)."""
+    if not points:
+        raise CastspecError("no timings to fit a cost prior to")
+    rows = torch.tensor([_features(b, c, n) for b, c, n, _, _ in points], dtype=torch.float64)
+    seconds = torch.tensor([s for *_, s, _ in points], dtype=torch.float64)
+    weights = torch.tensor([w for *_, w in points], dtype=torch.float64).clamp(min=1e-9).sqrt()
+    a, y = rows / seconds[:, None] * weights[:, None], weights  # relative error: (f(x) - s) / s
+    gram, moment, total = a.T @ a, a.T @ y, float(y @ y)
+    best, best_score = None, math.inf
+    for k in range(1, rows.shape[1] + 1):
+        for cols in map(list, itertools.combinations(range(rows.shape[1]), k)):
+            g = gram[cols][:, cols]
+            try:
+                coef = torch.linalg.solve(g, moment[cols])
+            except torch.linalg.LinAlgError:  # fewer distinct points than features: a smaller subset fits
+                continue
+            if (coef < 0).any() or not torch.isfinite(coef).all():
+                continue
+            rss = total - 2 * float(coef @ moment[cols]) + float(coef @ g @ coef)
+            score = max(rss, 0.0) / total + 1e-4 * k
+            if score < best_score:
+                full = [0.0] * rows.shape[1]
+                for i, value in zip(cols, coef.tolist(), strict=True):
+                    full[i] = value
+                best, best_score = full, score
+    if best is None or sum(best) <= 0:
+        mean = statistics.fmean(s for *_, s, _ in points)
+        best = [mean, 0.0, 0.0, 0.0]
+    return best
+
+
+class LearnedCurve:
+    """One model's forward latency, learned online (see the module docstring for the scheme)."""
+
+    def __init__(self, rate: float = 0.05, clip: float = 0.1, window: int = 12, shift: float = 0.3,
+                 agreement: float = 0.75, refresh_every: int = 8, max_weight: float = 1000.0,
+                 settled: float = 4.0) -> None:
+        if not 0 < rate <= 1 or clip <= 0 or window < 3 or shift <= 0:
+            raise CastspecError("online cost model: rate in (0, 1], positive clip and shift, window >= 3")
+        self.rate, self.clip, self.window, self.shift, self.agreement = rate, clip, window, shift, agreement
+        self.refresh_every, self.max_weight, self.settled = refresh_every, max_weight, settled
+        self.cells: dict[tuple[int, int, int], list[float]] = {}  # cell -> [log seconds, weight]
+        self.coef: list[float] | None = None
+        self.residuals: deque[float] = deque(maxlen=window)
+        self.observations = self.shifts = 0
+        self._grid: CostGrid | None = None
+        self._stale = 0
+
+    # ---- reading ------------------------------------------------------------------------------------------
+
+    def prior(self, b: float, c: float, n: float) -> float:
+        if self.coef is None:
+            raise CastspecError("the online cost model has seen no timings yet")
+        return max(sum(k * x for k, x in zip(self.coef, _features(b, c, n), strict=True)), 1e-9)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.cells)
+
+    def grid(self) -> CostGrid:
+        if self._grid is None or self._stale >= self.refresh_every:
+            self._grid = self._build()
+            self._stale = 0
+        return self._grid
+
+    def __call__(self, b: float, c: float, n: float) -> float:
+        return self.grid()(b, c, n)
+
+    def _build(self) -> CostGrid:
+        """Every cell's seconds: its own estimate where seen, else the prior times the seen cells' residuals
+        (inverse-distance weighted in grid steps), then made non-decreasing along B, c and n."""
+        if not self.cells:
+            raise CastspecError("the online cost model has seen no timings yet")
+        if self.coef is None:
+            self._refit()
+        keys = torch.tensor(list(self.cells), dtype=torch.float64)  # [S, 3] grid indices of the seen cells
+        estimates = torch.tensor([est for est, _ in self.cells.values()], dtype=torch.float64)
+        weights = torch.tensor([min(w, 8.0) for _, w in self.cells.values()], dtype=torch.float64)
+        log_prior = self._log_prior_grid()
+        residuals = estimates - log_prior[tuple(keys.long().T)]
+        every = torch.cartesian_prod(*(torch.arange(len(a), dtype=torch.float64)
+                                       for a in (BATCH_AXIS, CONTEXT_AXIS, TOKEN_AXIS)))  # [K, 3]
+        squared = (every.pow(2).sum(1)[:, None] + keys.pow(2).sum(1)[None] - 2 * every @ keys.T).clamp(min=0)
+        near = weights / (1.0 + squared).pow(2)  # [K, S]: inverse-distance weights in grid steps
+        filled = (near @ residuals / near.sum(1)).reshape(log_prior.shape)
+        values = log_prior + filled
+        seen = tuple(keys.long().T)
+        # monotone in B, c and n without letting a guess override a measurement: an unseen cell is held between
+        # the largest seen cell below it and the smallest seen cell above it (orthant max / min, separable along
+        # the axes); what the seen cells' own noise leaves non-monotone, a running maximum then removes
+        below = torch.full_like(values, -math.inf)
+        above = torch.full_like(values, math.inf)
+        below[seen], above[seen] = estimates, estimates
+        for dim in range(3):
+            below = torch.cummax(below, dim=dim).values
+            above = torch.cummin(above.flip(dim), dim=dim).values.flip(dim)
+        values = torch.maximum(torch.minimum(values, above), below)
+        values[seen] = estimates
+        values = values.exp()
+        for dim in range(3):
+            values = torch.cummax(values, dim=dim).values
+        return CostGrid(list(BATCH_AXIS), list(CONTEXT_AXIS), list(TOKEN_AXIS), values.tolist())
+
+    def _log_prior_grid(self) -> torch.Tensor:
+        b, c, n = torch.meshgrid(*(torch.tensor(a, dtype=torch.float64)
+                                   for a in (BATCH_AXIS, CONTEXT_AXIS, TOKEN_AXIS)), indexing="ij")
+        a0, a1, a2, a3 = self.coef
+        return (a0 + a1 * b * n + a2 * b * c + a3 * b * n * c * 1e-3).clamp(min=1e-9).log()
+
+    @staticmethod
+    def _centre(key: tuple[int, int, int]) -> tuple[int, int, int]:
+        return BATCH_AXIS[key[0]], CONTEXT_AXIS[key[1]], TOKEN_AXIS[key[2]]
+
+    # ---- learning -----------------------------------------------------------------------------------------
+
+    def observe(self, b: int, c: int, n: int, seconds: float) -> None:
+        """One timed forward of n new tokens per row for b rows after c cached entries."""
+        if not (seconds > 0 and math.isfinite(seconds)) or b < 1 or n < 1:
+            return
+        c = max(c, 1)
+        key = (_nearest(BATCH_AXIS, b), _nearest(CONTEXT_AXIS, c), _nearest(TOKEN_AXIS, n))
+        if key in self.cells and self.cells[key][1] >= self.settled:
+            # a drift is a departure from what was learned, not a first visit to a cell the prior guessed
+            self.residuals.append(math.log(seconds) - math.log(self(b, c, n)))
+        x = math.log(seconds)
+        if self.coef is not None:  # carry the timing to the cell's centre along the prior's shape
+            x += math.log(self.prior(*self._centre(key))) - math.log(self.prior(b, c, n))
+        cell = self.cells.get(key)
+        if cell is None:
+            self.cells[key] = [x, 1.0]
+        else:
+            # a young cell (a probe, a seeded profile point) is a guess: it moves fast and far; a settled one by
+            # at most rate * clip, whatever the timing
+            step = max(self.rate, 1.0 / (cell[1] + 1.0))
+            clip = self.clip * max(1.0, 8.0 / (cell[1] + 1.0))
+            cell[0] += step * max(-clip, min(clip, x - cell[0]))
+            cell[1] = min(cell[1] + 1.0, self.max_weight)
+        self.observations += 1
+        self._stale += 1
+        if self.coef is None or (cell is None and len(self.cells) <= 32) or self.observations % 32 == 0:
+            self._refit()  # the prior's shape matters most while few cells are known
+        self._follow()
+
+    def _follow(self) -> None:
+        """Move the whole curve when the last `window` timings sit on one side of it."""
+        if len(self.residuals) < self.window:
+            return
+        middle = statistics.median(self.residuals)
+        same_side = sum(1 for r in self.residuals if (r > 0) == (middle > 0)) / len(self.residuals)
+        if abs(middle) <= self.shift or same_side < self.agreement:
+            return
+        # the move is the recent half's median: when the whole window's median first passes, its older half may
+        # still be from before the change
+        middle = statistics.median(list(self.residuals)[self.window // 2:])
+        for cell in self.cells.values():
+            cell[0] += middle
+        if self.coef is not None:
+            self.coef = [k * math.exp(middle) for k in self.coef]
+        self.residuals.clear()
+        self.shifts += 1
+        self._grid = None
+
+    def _refit(self) -> None:
+        self.coef = fit_prior([(*self._centre(key), math.exp(est), weight)
+                               for key, (est, weight) in self.cells.items()])
+        self._stale = self.refresh_every  # the next read rebuilds
+
+    # ---- persistence --------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {"cells": [[*key, est, weight] for key, (est, weight) in sorted(self.cells.items())],
+                "coef": self.coef, "observations": self.observations, "shifts": self.shifts}
+
+    def merge_json(self, data: dict, weight_cap: float = 20.0) -> None:
+        """Take in a saved curve: its cells join (weight-averaged with any this curve holds), capped in weight so
+        that this run's timings can still move them."""
+        for bi, ci, ni, est, weight in data.get("cells", []):
+            key, weight = (int(bi), int(ci), int(ni)), min(float(weight), weight_cap)
+            mine = self.cells.get(key)
+            if mine is None:
+                self.cells[key] = [float(est), weight]
+            else:
+                total = mine[1] + weight
+                self.cells[key] = [(mine[0] * mine[1] + float(est) * weight) / total, min(total, self.max_weight)]
+        self.observations += int(data.get("observations", 0))
+        if self.cells:
+            self._refit()
+
+    def seed_from(self, grid: CostGrid, weight: float = 2.0) -> None:
+        """Start from a profiled grid: each of its points becomes a cell observation of the given weight."""
+        for b in grid.batch_sizes:
+            for c in grid.contexts:
+                for n in grid.tokens:
+                    key = (_nearest(BATCH_AXIS, b), _nearest(CONTEXT_AXIS, c), _nearest(TOKEN_AXIS, n))
+                    if key not in self.cells:
+                        self.cells[key] = [math.log(max(grid(b, c, n), 1e-9)), weight]
+        self._refit()
+
+
+Timer = Callable[[int, int, int], float]
+
+
+class OnlineCostTable(CostTable):
+    """A cost table that learns: `observe_target` / `observe_draft` take the engine's timed forwards, and the
+    `target` / `draft` grids CAST reads are the learned curves' current snapshots."""
+
+    def __init__(self, meta: dict, target: LearnedCurve | None = None, draft: LearnedCurve | None = None,
+                 path: Path | None = None, save_every: int = 256) -> None:
+        self.meta = {**meta, "online": True}
+        self.validation = {}
+        self.target_curve, self.draft_curve = target or LearnedCurve(), draft or LearnedCurve()
+        self.path, self.save_every = path, save_every
+        self._unsaved = 0
+
+    @property
+    def target(self) -> CostGrid:
+        return self.target_curve.grid()
+
+    @property
+    def draft(self) -> CostGrid | None:
+        return self.draft_curve.grid() if self.draft_curve.ready else None
+
+    @property
+    def ready(self) -> bool:
+        return self.target_curve.ready and self.draft_curve.ready
+
+    def observe_target(self, b: int, c: int, n: int, seconds: float) -> None:
+        self.target_curve.observe(b, c, n, seconds)
+        self._count()
+
+    def observe_draft(self, b: int, c: int, n: int, seconds: float) -> None:
+        self.draft_curve.observe(b, c, n, seconds)
+        self._count()
+
+    def _count(self) -> None:
+        self._unsaved += 1
+        if self.path is not None and self._unsaved >= self.save_every:
+            self.flush()
+
+    def probe(self, target_timer: Timer, draft_timer: Timer | None, batch_size: int = 1,
+              points: tuple[tuple[int, int], ...] = ((64, 1), (64, 4), (64, 16), (512, 1), (512, 16)),
+              progress: Callable[[str], None] | None = None) -> None:
+        """A few forwards of each model at `batch_size` (context, tokens in `points`): enough for a first shape;
+        every later step refines it."""
+        timers = [("target", target_timer, self.target_curve)]
+        if draft_timer is not None:
+            timers.append(("draft", draft_timer, self.draft_curve))
+        total, done = len(points) * len(timers), 0
+        for _, timer, _ in timers:  # the first call of a shape pays for allocations and kernel selection
+            timer(batch_size, *points[0])
+        for which, timer, curve in timers:
+            for c, n in points:
+                curve.observe(batch_size, c, n, timer(batch_size, c, n))
+                done += 1
+                if progress:
+                    progress(f"probing costs {done}/{total}: {which} B={batch_size} c={c} n={n}")
+
+    def to_json(self) -> dict:
+        out = {"format": FORMAT, "meta": self.meta, "target": _grid_json(self.target)}
+        if self.draft is not None:
+            out["draft"] = _grid_json(self.draft)
+        out["online"] = {"format": ONLINE_FORMAT, "target": self.target_curve.to_json(),
+                         "draft": self.draft_curve.to_json()}
+        return out
+
+    def flush(self) -> None:
+        """Save what was learned (to `path`, if it has one)."""
+        if self.path is not None and self.target_curve.ready:
+            self.save(self.path)
+            self._unsaved = 0
+
+    @classmethod
+    def load_learned(cls, path: Path, meta: dict) -> OnlineCostTable:
+        """A table that goes on from what a saved run learned (refused if the file is not one)."""
+        try:
+            data = json.loads(path.read_text())
+            online = data["online"]
+            if online.get("format") != ONLINE_FORMAT:
+                raise KeyError("format")
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CastspecError(f"{path} is not a learned castspec cost table ({e})") from e
+        table = cls(meta, path=path)
+        table.target_curve.merge_json(online.get("target", {}))
+        table.draft_curve.merge_json(online.get("draft", {}))
+        return table
+
+
+def learned_path(home: Path, target_key: dict, drafter: str) -> Path:
+    """Where the learned table of this setup and drafter lives: one file per (setup key, drafter)."""
+    digest = hashlib.sha256(json.dumps([target_key, drafter], sort_keys=True).encode()).hexdigest()[:16]
+    return home / "costs" / f"online-{digest}.json"
