@@ -140,6 +140,8 @@ class LearnedCurve:
         filled = (near @ residuals / near.sum(1)).reshape(log_prior.shape)
         values = log_prior + filled
         seen = tuple(keys.long().T)
+        values[seen] = estimates
+        values = self._transfer_batches(values, sorted({int(k) for k in keys[:, 0].tolist()}))
         # monotone in B, c and n without letting a guess override a measurement: an unseen cell is held between
         # the largest seen cell below it and the smallest seen cell above it (orthant max / min, separable along
         # the axes); what the seen cells' own noise leaves non-monotone, a running maximum then removes
@@ -155,6 +157,30 @@ class LearnedCurve:
         for dim in range(3):
             values = torch.cummax(values, dim=dim).values
         return CostGrid(list(BATCH_AXIS), list(CONTEXT_AXIS), list(TOKEN_AXIS), values.tolist())
+
+    @staticmethod
+    def _transfer_batches(values: torch.Tensor, seen_batches: list[int]) -> torch.Tensor:
+        """A batch size no timing has reached is read off the nearest smaller one that was timed, at the same
+        number of tokens in all (B rows of n cost about what one of B * n costs: the weights are read once and
+        the work follows the tokens); a better guess across B than any smooth prior, whose n-slope comes from
+        one batch size's few tokens. Beyond the token axis, linear in seconds from its last two points."""
+        tokens = torch.tensor(TOKEN_AXIS, dtype=torch.float64)
+        out = values.clone()
+        for bi in range(len(BATCH_AXIS)):
+            if bi in seen_batches:
+                continue
+            source = max((s for s in seen_batches if s < bi), default=seen_batches[0])
+            wanted = tokens * BATCH_AXIS[bi] / BATCH_AXIS[source]
+            plane = values[source].exp()  # [C, N] seconds
+            right = torch.searchsorted(tokens, wanted).clamp(1, len(TOKEN_AXIS) - 1)
+            left = right - 1
+            x0, x1 = tokens[left].log(), tokens[right].log()
+            weight = ((wanted.clamp(min=1.0).log() - x0) / (x1 - x0)).clamp(max=1.0)
+            inside = plane[:, left] + weight * (plane[:, right] - plane[:, left])
+            slope = (plane[:, -1] - plane[:, -2]) / (tokens[-1] - tokens[-2])
+            beyond = plane[:, -1:] + slope[:, None] * (wanted - tokens[-1]).clamp(min=0)
+            out[bi] = torch.where(wanted > tokens[-1], beyond, inside).clamp(min=1e-9).log()
+        return out
 
     def _log_prior_grid(self) -> torch.Tensor:
         b, c, n = torch.meshgrid(*(torch.tensor(a, dtype=torch.float64)
@@ -293,10 +319,11 @@ class OnlineCostTable(CostTable):
             self.flush()
 
     def probe(self, target_timer: Timer, draft_timer: Timer | None, batch_size: int = 1,
-              points: tuple[tuple[int, int], ...] = ((64, 1), (64, 4), (64, 16), (512, 1), (512, 16)),
+              points: tuple[tuple[int, int], ...] = ((64, 1), (64, 4), (64, 16), (64, 64), (512, 1), (512, 16)),
               progress: Callable[[str], None] | None = None) -> None:
-        """A few forwards of each model at `batch_size` (context, tokens in `points`): enough for a first shape;
-        every later step refines it."""
+        """A few forwards of each model at `batch_size` (context, tokens in `points`): enough for a first shape
+        (n = 64 too, so that the prior's slope in tokens is not read off the steep first few); every later step
+        refines it."""
         timers = [("target", target_timer, self.target_curve)]
         if draft_timer is not None:
             timers.append(("draft", draft_timer, self.draft_curve))

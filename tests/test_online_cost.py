@@ -147,7 +147,7 @@ def test_probe_gives_a_first_shape_from_a_few_forwards():
         return truth(b, c, n)
 
     table.probe(target, lambda b, c, n: 0.2 * truth(b, c, n))
-    assert table.ready and len(calls) == 6  # one warm-up, five timed
+    assert table.ready and len(calls) == 7  # one warm-up, six timed
     assert table.f_target(1, 256, 8) == pytest.approx(truth(1, 256, 8), rel=0.1)
     assert table.normalised_draft(1, 256, 4) == pytest.approx(0.2 * truth(1, 256, 4) / truth(1, 256, 1), rel=0.1)
 

@@ -65,14 +65,14 @@ def main() -> None:
               "summary": summary, "points": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    Path(f"{out}.json").write_text(json.dumps(report, indent=1))
     lines = [f"# Learned vs profiled cost table: median prediction error on {len(points)} held-out points",
              "", f"{report['date']}, {report['machine']}", "", "```", report["command"], "```", "",
              "| model | table | all batch sizes | B = 1 |", "|---|---|---|---|"]
     for which, by_table in summary.items():
         for name, errors in by_table.items():
             lines.append(f"| {which} | {name} | {errors['all'] * 100:.1f}% | {errors['B=1'] * 100:.1f}% |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
