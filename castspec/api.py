@@ -94,17 +94,17 @@ def probe_timers(target_model, drafter: Drafter):
     return target, draft
 
 
+def _progress_line(message: str) -> None:
+    print(f"\r{message}", end="", file=sys.stderr, flush=True)
+
+
 def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: CostTable | None = None,
                       fresh: bool = False, log=None) -> OnlineCostTable:
     """CAST's cost model when it learns: continued from what an earlier run on this setup saved under
     $CASTSPEC_HOME/costs, else started from a profiled table (`seed`), else from a probe of a few forwards
     (seconds). `fresh`: from a probe whatever is saved, as on an empty $CASTSPEC_HOME (what it learns is saved
     as usual, over any earlier learned table of this setup)."""
-    def progress(msg: str) -> None:
-        print(f"\r{msg}", end="", file=sys.stderr, flush=True)
-
-    if log is not None:
-        progress = None  # a caller with its own log gets the summary line only
+    progress = None if log else _progress_line  # a caller with its own log gets the summary line only
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     key = setup_key(target_model)
     model_free = drafter_id == "ngram" or drafter_id.startswith("eagle-head:")

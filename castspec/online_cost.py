@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from castspec.cost import FORMAT, CostGrid, CostTable, _grid_json
+from castspec.cost import CostGrid, CostTable
 from castspec.errors import CastspecError
 
 BATCH_AXIS = [1, 2, 4, 8, 16, 32, 64]
@@ -338,9 +338,8 @@ class OnlineCostTable(CostTable):
                     progress(f"probing costs {done}/{total}: {which} B={batch_size} c={c} n={n}")
 
     def to_json(self) -> dict:
-        out = {"format": FORMAT, "meta": self.meta, "target": _grid_json(self.target)}
-        if self.draft is not None:
-            out["draft"] = _grid_json(self.draft)
+        """The ordinary cost-table JSON of the current snapshots, plus the cells that go on learning."""
+        out = super().to_json()
         out["online"] = {"format": ONLINE_FORMAT, "target": self.target_curve.to_json(),
                          "draft": self.draft_curve.to_json()}
         return out
