@@ -18,11 +18,13 @@ from tqdm import tqdm
 
 from castspec.api import Engine, drafter_identity, find_cost_table, make_policy, online_cost_model
 from castspec.cost import device_name, setup_key
+from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
 from castspec.drafters.ngram import NgramDrafter
 from castspec.drafters.with_ngram import NgramAugmentedDrafter
 from castspec.errors import CastspecError
+from castspec.policies import Policy
 from castspec.sampling import SamplingParams
 
 
@@ -135,36 +137,40 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
     """One runner per method. `head`: (EagleHead, its source) for the methods whose drafter is 'head'."""
     runners = {}
     for spec in specs:
-        model = (spec.drafter or "").removesuffix("+ngram")  # the model drafter, if the item drafts with one
         if spec.method == "hf-assisted" and draft_model is None:
             raise CastspecError("hf-assisted needs a draft model (--draft)")
-        given = {"draft": draft_model, "head": head}
-        if spec.method not in ("ar", "hf-prompt-lookup") and model in given and given[model] is None:
-            raise CastspecError(f"{spec.label} drafts with a {model}, and none was given (--{model} ...)")
         if spec.method.startswith("hf-"):
             runners[spec.label] = _HfBaseline(target_model, tokenizer, spec.method, draft_model)
             continue
-        drafter = None
-        if spec.method != "ar":
-            if spec.drafter.startswith("head"):
-                drafter = EagleHeadDrafter(head[0], target_model)
-            elif spec.drafter.startswith("draft"):
-                drafter = DraftModelDrafter(draft_model)
-            if spec.drafter.endswith("ngram"):
-                ngram = NgramDrafter(**drafter_options(spec))
-                drafter = ngram if drafter is None else NgramAugmentedDrafter(drafter, ngram)
-        costs = None
-        if spec.method == "cast":
-            # the n-gram lookups cost microseconds: a merged drafter is priced by its model drafter's table
-            drafter_id = drafter_identity(draft_model if spec.drafter.startswith("draft") else None,
-                                          head[1] if spec.drafter.startswith("head") else None)
-            costs = find_cost_table(setup_key(target_model), drafter_id)
-            online = spec.options.get("online", 1)
-            if online:  # 1: as `castspec generate` does; 2: from a probe, as on an empty $CASTSPEC_HOME
-                costs = online_cost_model(target_model, drafter, drafter_id, seed=costs, fresh=online == 2)
-        policy = make_policy(spec.method, **policy_options(spec, costs))
-        runners[spec.label] = Engine(target_model, tokenizer, drafter, policy)
+        runners[spec.label] = Engine(target_model, tokenizer, *method_parts(spec, target_model, draft_model, head))
     return runners
+
+
+def method_parts(spec: MethodSpec, target_model, draft_model=None, head=None) -> tuple[Drafter | None, Policy | None]:
+    """The drafter and policy of one of our method items (None, None for AR)."""
+    model = (spec.drafter or "").removesuffix("+ngram")  # the model drafter, if the item drafts with one
+    given = {"draft": draft_model, "head": head}
+    if spec.method != "ar" and model in given and given[model] is None:
+        raise CastspecError(f"{spec.label} drafts with a {model}, and none was given (--{model} ...)")
+    drafter = None
+    if spec.method != "ar":
+        if spec.drafter.startswith("head"):
+            drafter = EagleHeadDrafter(head[0], target_model)
+        elif spec.drafter.startswith("draft"):
+            drafter = DraftModelDrafter(draft_model)
+        if spec.drafter.endswith("ngram"):
+            ngram = NgramDrafter(**drafter_options(spec))
+            drafter = ngram if drafter is None else NgramAugmentedDrafter(drafter, ngram)
+    costs = None
+    if spec.method == "cast":
+        # the n-gram lookups cost microseconds: a merged drafter is priced by its model drafter's table
+        drafter_id = drafter_identity(draft_model if spec.drafter.startswith("draft") else None,
+                                      head[1] if spec.drafter.startswith("head") else None)
+        costs = find_cost_table(setup_key(target_model), drafter_id)
+        online = spec.options.get("online", 1)
+        if online:  # 1: as `castspec generate` does; 2: from a probe, as on an empty $CASTSPEC_HOME
+            costs = online_cost_model(target_model, drafter, drafter_id, seed=costs, fresh=online == 2)
+    return drafter, make_policy(spec.method, **policy_options(spec, costs))
 
 
 def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],

@@ -131,7 +131,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=DEFAULT_TARGET)
     bench.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model ('none': no draft model)")
     bench.add_argument("--head", help="EAGLE head for the methods whose drafter is 'head'")
-    bench.add_argument("--methods", default=DEMO_METHODS,
+    bench.add_argument("--methods", default=None,
                        help="';'-separated METHOD[:draft|ngram|head|draft+ngram|head+ngram][:k=v,...] items, plus "
                             "hf-assisted, hf-prompt-lookup; ngram items also take max_n and min_n (the n-gram "
                             "sizes looked up); X+ngram merges n-gram proposals into X's trees")
@@ -140,7 +140,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--offset", type=int, default=0, help="skip this many prompts of each set (tuning splits)")
     bench.add_argument("--limit", type=int, default=0, help="keep at most this many prompts in all (0: no limit)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--dtype", default="bf16")
+    bench.add_argument("--dtype", default=None, help="bf16 | fp32 | fp16 (default bf16; --overhead: fp32 on a CPU, "
+                                                      "where bf16 would time conversions, bf16 on a GPU)")
     bench.add_argument("--out-dir", default="bench")
     bench.add_argument("--name", default="bench")
     bench.add_argument("--resume", action="store_true",
@@ -148,6 +149,14 @@ def _build_parser() -> argparse.ArgumentParser:
                             "are kept (from NAME.partial.jsonl), the rest are run")
     bench.add_argument("--batch-sizes", help="throughput mode: decode in batches of each size, e.g. 1,2,4,8 "
                                              "(speed-up over batched AR per batch size)")
+    bench.add_argument("--overhead", action="store_true",
+                       help="host overhead per step: random-weight models made on the fly (no download), per method "
+                            "and batch size the time in target and drafter forwards and the host's bookkeeping by "
+                            "phase, HF greedy and assisted beside (default methods: chain, EAGLE-2 16 and 60 "
+                            "nodes from a draft model and a head, CAST; default --batch-sizes 1,8)")
+    bench.add_argument("--overhead-size", default="tiny", help="random model size for --overhead: tiny (2 layers, "
+                                                               "64 wide), small, or 8b (Llama-3-8B geometry, GPU)")
+    bench.add_argument("--device", default="cpu", help="device for --overhead (cpu, cuda)")
     _sampling_args(bench)
 
     bserve = sub.add_parser("bench-serve", help="load benchmark over the HTTP API: a castspec serve per method, "
@@ -515,6 +524,10 @@ def _cmd_bench_serve(args) -> None:
 def _cmd_bench(args) -> None:
     from castspec.bench import RunFiles, parse_methods, run_benchmark, save_results
 
+    if args.overhead:
+        _cmd_bench_overhead(args)
+        return
+    args.methods, args.dtype = args.methods or DEMO_METHODS, args.dtype or "bf16"
     specs = parse_methods(args.methods)
     sampling = _sampling(args)
     if not sampling.greedy and sampling.seed is None:
@@ -570,6 +583,44 @@ def _cmd_bench(args) -> None:
 
     print(markdown_table(result["summary"]))
     print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
+
+
+def _cmd_bench_overhead(args) -> None:
+    import json
+
+    import torch
+
+    from castspec.bench import parse_methods
+    from castspec.models import DTYPES
+    from castspec.overhead import DEFAULT_METHODS, overhead_table, plot_overhead, random_models, run_overhead
+
+    specs = parse_methods(args.methods or DEFAULT_METHODS)
+    sizes = _int_list(args.batch_sizes or "1,8", "--batch-sizes")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise CastspecError(f"unknown dtype {args.dtype!r}; choose from {', '.join(DTYPES)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CastspecError(f"--device {args.device}: no CUDA device is available here")
+    dtype = DTYPES[args.dtype or ("fp32" if args.device == "cpu" else "bf16")]
+    models = random_models(args.overhead_size, args.device, dtype)
+    result = run_overhead(models, specs, sizes, max_new_tokens=args.max_new_tokens, progress=print)
+    result["meta"]["machine"] = _machine()
+    command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result["meta"]["command"] = command
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = overhead_table(result["rows"])
+    meta = result["meta"]
+    title = (f"host overhead per step: random {meta['size']} models, {meta['dtype']} on {meta['device']} "
+             f"({meta['machine']}), {meta['prompts']} prompts x {meta['max_new_tokens']} tokens, {meta['date']}")
+    (out / f"{args.name}.md").write_text(
+        f"# {title}\n\n`{command}`\n\nms per decoding step (HF rows: per target forward). host = wall - target "
+        "forwards - drafter forwards; the phase columns split it (draft: pools, drafter inputs and masks; verify: "
+        "tree masks, positions, logits; accept; outputs: stop checks, text; policy: CAST's observations and the "
+        "online cost model; commit: the KV commit).\n\n" + table + "\n")
+    plot_overhead(result["rows"], out / f"{args.name}.png", title)
+    print(table)
+    print(f"results: {out / args.name}.json / .md / .png")
 
 
 def _cmd_bench_combine(args) -> None:

@@ -75,15 +75,20 @@ def setup_key(model, dtype: torch.dtype | None = None) -> dict:
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
     """Piecewise linear, linear extrapolation from the end segments, never below the nearest end value."""
+    return _interp_with(xs, ys.__getitem__, x)
+
+
+def _interp_with(xs: list[float], value, x: float) -> float:
+    """`_interp` with the ys computed on demand (`value(i)`): only the two ends of x's segment are needed."""
     if len(xs) == 1:
-        return ys[0]
+        return value(0)
     i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
-    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    x0, x1, y0, y1 = xs[i], xs[i + 1], value(i), value(i + 1)
     y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     if x < xs[0]:
-        return max(min(y, ys[0]), 0.0)
+        return max(min(y, y0), 0.0)
     if x > xs[-1]:
-        return max(y, ys[-1])
+        return max(y, y1)
     return y
 
 
@@ -106,17 +111,28 @@ class CostGrid:
             raise CastspecError(f"cost grid values do not match its axes {shape}")
         # a longer context or more tokens never costs less
         self.monotone = [isotonic_plane(plane) for plane in self.seconds]
+        self._memo: dict[tuple[float, float, float], float] = {}
 
     def _at_batch(self, b: int, c: float, n: float) -> float:
         plane = self.monotone[b]
-        along_n = [_interp(self.tokens, row, n) for row in plane]
-        return _interp(self.contexts, along_n, c)
+        return _interp_with(self.contexts, lambda ci: _interp(self.tokens, plane[ci], n), c)
 
     def __call__(self, batch_size: float, context: float, tokens: float) -> float:
-        values = [self._at_batch(b, context, tokens) for b in range(len(self.batch_sizes))]
-        if len(values) == 1:
-            return values[0] * batch_size / self.batch_sizes[0] if batch_size > self.batch_sizes[0] else values[0]
-        return _interp(self.batch_sizes, values, batch_size)
+        # CAST asks for the same few points many times per step: a grid never changes, so answers are kept
+        key = (batch_size, context, tokens)
+        cached = self._memo.get(key)
+        if cached is not None:
+            return cached
+        if len(self.batch_sizes) == 1:
+            value = self._at_batch(0, context, tokens)
+            if batch_size > self.batch_sizes[0]:
+                value *= batch_size / self.batch_sizes[0]
+        else:
+            value = _interp_with(self.batch_sizes, lambda b: self._at_batch(b, context, tokens), batch_size)
+        if len(self._memo) > 4096:
+            self._memo.clear()
+        self._memo[key] = value
+        return value
 
 
 def isotonic(values: list[float], weights: list[float] | None = None) -> list[float]:
@@ -312,7 +328,7 @@ def time_head(head, target_model, batch_size: int, context: int, tokens: int, re
 def time_ngram(tokens: int, context: int, repeats: int = 3) -> float:
     """Median seconds for the n-gram drafter to propose children for `tokens` nodes over a `context` history."""
     from castspec.drafters.ngram import NgramDrafter
-    from castspec.tree import DraftTree
+    from castspec.tree import TreePool
 
     rng = random.Random(0)
     history = [rng.randrange(64) for _ in range(context)]
@@ -320,8 +336,7 @@ def time_ngram(tokens: int, context: int, repeats: int = 3) -> float:
     for _ in range(repeats):
         d = NgramDrafter()
         d.begin([history], 4)
-        pool = DraftTree.from_lists([history[-1]] + [rng.randrange(64) for _ in range(tokens)],
-                                    [-1] + [0] * tokens, [1.0] * (tokens + 1))
+        pool = TreePool.from_lists([history[-1]] + [rng.randrange(64) for _ in range(tokens)], [-1] + [0] * tokens)
         start = time.perf_counter()
         d.expand([pool], [list(range(1, tokens + 1))], 4)
         times.append(time.perf_counter() - start)

@@ -9,7 +9,7 @@ import torch
 
 from castspec.drafters.base import Candidates, Drafter
 from castspec.policies import Policy, StepContext
-from castspec.tree import DraftTree, Proposal
+from castspec.tree import DraftTree, Proposal, TreePool
 
 
 @dataclass
@@ -32,51 +32,71 @@ class DraftRecord:
         return sum(self.layer_sizes)
 
 
-class _Pool:
-    """Every node drafted this step, in topological order, best first within a layer. A node's score is the
-    product of draft probabilities along its path; its utility (what the policy ranks and buys by) is, by default,
-    the same, or the policy's own estimate (`Policy.node_utility`)."""
+class _Pool(TreePool):
+    """Every node drafted this step for one row, in topological order, best first within a layer. A node's score
+    is the product of draft probabilities along its path; its utility (what the policy ranks and buys by) is, by
+    default, the same, or the policy's own estimate (`Policy.node_utility`)."""
 
     def __init__(self, root_token: int) -> None:
-        self.tokens, self.parents, self.scores, self.utilities = [root_token], [-1], [1.0], [1.0]
+        super().__init__(root_token)
+        self.scores, self.utilities = [1.0], [1.0]
         self.proposals: dict[int, Proposal] = {}
 
-    def add_layer(self, frontier: list[int], cands: Candidates, policy: Policy | None = None
-                  ) -> tuple[list[int], torch.Tensor]:
-        """Append the frontier's children, best first; returns their pool indices and sorted utilities."""
-        if cands.proposal is not None:
+    def tree(self, keep: list[int] | None = None) -> DraftTree:
+        """The pool as a tree, or only the nodes `keep` (ancestor-closed, the root among them)."""
+        if keep is None:
+            return super().tree(self.scores, self.proposals)
+        keep = sorted(keep)
+        new_index = {node: i for i, node in enumerate(keep)}
+        parents = [-1] + [new_index[self.parents[node]] for node in keep[1:]]
+        proposals = {new_index[node]: prop for node, prop in self.proposals.items() if node in new_index}
+        return DraftTree(torch.tensor([self.tokens[n] for n in keep], dtype=torch.long),
+                         torch.tensor(parents, dtype=torch.long),
+                         torch.tensor([self.scores[n] for n in keep], dtype=torch.float32),
+                         torch.tensor([self.depths[n] for n in keep], dtype=torch.long), proposals)
+
+
+def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candidates],
+                policy: Policy | None = None) -> tuple[list[list[int]], torch.Tensor]:
+    """Append every row's frontier children to its pool, best first (draw order among equals), in one batch of
+    tensor operations for all rows. Returns each row's new node indices and their utilities, one row per pool
+    [B, n] padded with 0 (what `Policy.width` reads)."""
+    for pool, frontier, c in zip(pools, frontiers, cands, strict=True):
+        if c.proposal is not None:
             for row, node in enumerate(frontier):
-                drawn = cands.tokens[row][cands.probs[row] > 0].tolist()
-                self.proposals[node] = Proposal(drawn, cands.proposal[row])
-        parent_scores = torch.tensor([self.scores[p] for p in frontier])[:, None]
-        parent_utilities = torch.tensor([self.utilities[p] for p in frontier])[:, None]
-        probs = cands.probs.cpu()
-        scores = (probs * parent_scores).flatten()
-        utilities = (policy.node_utility(probs, parent_utilities) if policy is not None else
-                     probs * parent_utilities).flatten()
-        parents = torch.tensor(frontier).repeat_interleave(cands.probs.shape[1])
-        tokens = cands.tokens.flatten().cpu()
-        real = probs.flatten() > 0
-        scores, utilities, parents, tokens = scores[real], utilities[real], parents[real], tokens[real]
-        order = torch.sort(utilities, descending=True, stable=True).indices
-        first = len(self.tokens)
-        self.tokens += tokens[order].tolist()
-        self.parents += parents[order].tolist()
-        self.scores += scores[order].tolist()
-        self.utilities += utilities[order].tolist()
-        return list(range(first, len(self.tokens))), utilities[order]
+                pool.proposals[node] = Proposal(c.tokens[row][c.probs[row] > 0].tolist(), c.proposal[row])
+    k = max(c.probs.shape[1] for c in cands)
 
-    def tree(self) -> DraftTree:
-        return DraftTree.from_lists(self.tokens, self.parents, self.scores, self.proposals)
+    def stacked(part: str) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(getattr(c, part).cpu(), (0, k - c.probs.shape[1])) for c in cands])
 
-
-def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Per-row score vectors (each sorted decreasing) as one [B, n] matrix padded with zeros."""
-    width = max((r.numel() for r in rows), default=0)
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out
+    probs, tokens = stacked("probs"), stacked("tokens")  # [sum of frontier sizes, k]
+    flat_parents = [(b, node) for b, frontier in enumerate(frontiers) for node in frontier]
+    parent_scores = torch.tensor([pools[b].scores[node] for b, node in flat_parents])[:, None]
+    parent_utilities = torch.tensor([pools[b].utilities[node] for b, node in flat_parents])[:, None]
+    utilities = (policy.node_utility(probs, parent_utilities) if policy is not None else
+                 probs * parent_utilities).flatten()
+    scores = (probs * parent_scores).flatten()
+    row_of = torch.tensor([b for b, _ in flat_parents], dtype=torch.long).repeat_interleave(k)
+    real = (probs.flatten() > 0).nonzero().flatten()
+    by_utility = real[torch.sort(utilities[real], descending=True, stable=True).indices]
+    order = by_utility[torch.sort(row_of[by_utility], stable=True).indices]  # row by row, best first in each
+    counts = torch.bincount(row_of[order], minlength=len(pools)).tolist()
+    sorted_utilities = utilities[order]
+    order_list = order.tolist()
+    token_list, score_list = tokens.flatten()[order].tolist(), scores[order].tolist()
+    utility_list = sorted_utilities.tolist()
+    padded = torch.zeros(len(pools), max(counts, default=0))
+    nodes, first = [], 0
+    for b, (pool, count) in enumerate(zip(pools, counts, strict=True)):
+        last = first + count
+        parents = [flat_parents[i // k][1] for i in order_list[first:last]]
+        nodes.append(list(pool.append(token_list[first:last], parents)))
+        pool.scores += score_list[first:last]
+        pool.utilities += utility_list[first:last]
+        padded[b, :count] = sorted_utilities[first:last]
+        first = last
+    return nodes, padded
 
 
 def grow_trees(
@@ -96,36 +116,40 @@ def grow_trees(
     frontiers, layer, drafted = [[0] for _ in pools], 1, 0
     try:
         while True:
-            layers = [pool.add_layer(f, c, policy) for pool, f, c in zip(pools, frontiers, cands, strict=True)]
-            added = sum(len(nodes) for nodes, _ in layers)
-            width = policy.width(layer, _padded([scores for _, scores in layers]), ctx) if added else 0
+            nodes, utilities = _add_layers(pools, frontiers, cands, policy)
+            added = sum(len(n) for n in nodes)
+            width = policy.width(layer, utilities, ctx) if added else 0
             record.layer_sizes.append(added)
             record.widths.append(width)
             if width == 0 or layer >= ctx.depth_limit:
                 break
-            frontiers = [nodes[:width] for nodes, _ in layers]
+            frontiers = [n[:width] for n in nodes]
             start = clock() if clock else 0.0
-            cands = drafter.expand([pool.tree() for pool in pools], frontiers, policy.top_k)
+            cands = drafter.expand(pools, frontiers, policy.top_k)
             if clock:
                 record.forwards.append((drafted, max(len(f) for f in frontiers), clock() - start))
             drafted += width
             layer += 1
     finally:
         drafter.end_step()
-    fulls = [pool.tree() for pool in pools]
     record.decisions = dict(getattr(policy, "trace", {}))
-    if all(len(full) == 1 for full in fulls):
-        return fulls, record
+    if all(len(pool) == 1 for pool in pools):
+        return [pool.tree() for pool in pools], record
     # rank by utility, ties broken by depth so that a parent always outranks its child (ancestor-closed set:
-    # a child's utility never exceeds its parent's)
-    utilities = [torch.tensor(pool.utilities, dtype=torch.float64) for pool in pools]
-    ranked = [torch.sort(u[1:] - f.depths[1:].double() * 1e-12, descending=True, stable=True).indices + 1
-              for u, f in zip(utilities, fulls, strict=True)]
-    scores = _padded([u[r].float() for u, r in zip(utilities, ranked, strict=True)])
+    # a child's utility never exceeds its parent's); padding ranks last
+    size = max(len(pool) for pool in pools)
+    utilities = torch.full((len(pools), size), -torch.inf, dtype=torch.float64)
+    depths = torch.zeros(len(pools), size, dtype=torch.float64)
+    for b, pool in enumerate(pools):
+        utilities[b, : len(pool)] = torch.tensor(pool.utilities, dtype=torch.float64)
+        depths[b, : len(pool)] = torch.tensor(pool.depths, dtype=torch.float64)
+    ranked = torch.sort(utilities[:, 1:] - depths[:, 1:] * 1e-12, dim=1, descending=True, stable=True).indices + 1
+    scores = utilities.gather(1, ranked).clamp(min=0).float()  # padding: 0
     budget = max(0, min(policy.verify_budget(scores, ctx), scores.shape[1]))
     record.verify_budget = budget
     record.decisions = dict(getattr(policy, "trace", {}))
-    trees = [f.subtree(torch.cat([torch.tensor([0]), r[:budget]])) for f, r in zip(fulls, ranked, strict=True)]
+    kept = ranked[:, :budget].tolist()
+    trees = [pool.tree([0, *(node for node in row if node < len(pool))]) for pool, row in zip(pools, kept, strict=True)]
     return trees, record
 
 

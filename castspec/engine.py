@@ -20,6 +20,7 @@ from castspec.errors import CastspecError
 from castspec.online_cost import OnlineCostTable
 from castspec.policies import Policy, StepContext
 from castspec.sampling import SamplingParams
+from castspec.step_timer import StepTimer
 from castspec.target import Target
 from castspec.tree import DraftTree
 from castspec.verify import accept
@@ -132,6 +133,10 @@ class _Sequence:
         self.text_sent = ""
 
 
+def _no_lap(phase: str) -> None:
+    pass
+
+
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -160,6 +165,7 @@ class StepEngine:
         self.running: list[_Sequence] = []  # row i of the target's (and drafter's) batch
         self.aborted: set[str] = set()
         self.last_step: StepInfo | None = None
+        self.timer: StepTimer | None = None  # set by `castspec bench --overhead`: per-phase step times
         self._ids = itertools.count()
         target.keep_rows([])
         if drafter is not None:
@@ -280,25 +286,33 @@ class StepEngine:
 
     def _decode_step(self) -> list[RequestOutput]:
         target, drafter, policy, rows = self.target, self.drafter, self.policy, self.running
+        lap = self.timer.lap if self.timer is not None else _no_lap
+        if self.timer is not None:
+            self.timer.begin()
         window = target.max_positions or 1 << 30
         t0 = _clock(target.device)
         limits = [min(s.stop.max_new_tokens - len(s.output), window - target.lengths[i]) - 1
                   for i, s in enumerate(rows)]
         ctx = StepContext(len(rows), target.length, max(limits), max(len(s.unseen) for s in rows))
         trees, record = [DraftTree.single(s.root) for s in rows], DraftRecord()
-        if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
+        drafting = drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx)
+        lap("plan")
+        if drafting:
             trees, record = grow_trees(drafter, policy, [s.unseen for s in rows], ctx,
                                        [torch.cat(s.features) for s in rows] if self.layers else None,
                                        (lambda: _clock(target.device)) if self.learner else None)
-            trees = [t.subtree((t.depths <= limit).nonzero().flatten())  # rows nearer their end draft less deep
-                     for t, limit in zip(trees, limits, strict=True)]
+            trees = [t if t.max_depth <= limit else t.subtree((t.depths <= limit).nonzero().flatten())
+                     for t, limit in zip(trees, limits, strict=True)]  # rows nearer their end draft less deep
             for s in rows:
                 s.unseen, s.features = [], []
         t1 = _clock(target.device)
+        lap("draft")
         logits, verified_features = target.verify(trees, self.layers)
+        lap("verify")
         results = [accept(tree, logits[i, : len(tree)], s.sampling, s.generator)
                    for i, (s, tree) in enumerate(zip(rows, trees, strict=True))]
         t2 = _clock(target.device)
+        lap("accept")
         going, emitted, outputs = [], [], []
         for i, (s, tree, (path, bonus)) in enumerate(zip(rows, trees, results, strict=True)):
             new_tokens = tree.tokens[path].tolist() + [bonus]
@@ -314,15 +328,20 @@ class StepEngine:
                     s.features.append(verified_features[i, [0, *path]])
                 s.root = bonus
             outputs.append(self._output(s))
+        lap("outputs")
         if policy is not None:
             policy.observe(sum(emitted) / len(rows), t2 - t0)
         if self.learner is not None:
             self._learn(ctx, max(len(t) for t in trees), record, t1 - t0, t2 - t1)
+        lap("policy")
         kept = [[0, *results[i][0]] for i in going]
         self._keep(going)
         if going:
             target.commit(kept)
         self.last_step = StepInfo("decode", len(rows), [len(t) - 1 for t in trees], emitted, record, t2 - t0)
+        if self.timer is not None:
+            lap("commit")
+            self.timer.end(len(rows), sum(len(t) - 1 for t in trees))
         return outputs
 
     def _learn(self, ctx: StepContext, verified: int, record: DraftRecord, draft_s: float, verify_s: float) -> None:

@@ -57,10 +57,13 @@ def gather_entries(cache: DynamicCache, start: int, offsets: torch.Tensor) -> No
     moved to columns start..start+K-1; everything after them is dropped. Rows that keep fewer than K entries
     repeat one and mask the extra columns as holes."""
     index = (start + offsets)[:, None, :, None]
+    end = start + offsets.shape[1]
 
     def commit(entries: torch.Tensor) -> torch.Tensor:
-        picked = entries.gather(2, index.expand(-1, entries.shape[1], -1, entries.shape[3]))
-        return torch.cat([entries[:, :, :start], picked], dim=2)
+        # gathered into a new tensor first, so writing it over the overlapping columns is safe; the prefix stays
+        # where it is (no copy of the whole cache per step)
+        entries[:, :, start:end] = entries.gather(2, index.expand(-1, entries.shape[1], -1, entries.shape[3]))
+        return entries[:, :, :end]
 
     for layer in cache.layers:
         layer.keys, layer.values = commit(layer.keys), commit(layer.values)

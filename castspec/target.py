@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from castspec import kv
-from castspec.tree import DraftTree
+from castspec.tree import DraftTree, ancestor_masks, padded_rows
 
 
 class Target:
@@ -74,24 +74,19 @@ class Target:
 
     def verify(self, trees: list[DraftTree], feature_layers: tuple[int, ...] = ()
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over every row's tree (padded to the largest); returns (logits [B, n, V], features
-        [B, n, F] of `feature_layers` or None). Row b's node i is at [b, i]."""
+        """One forward over every row's tree (padded to the largest); returns (logits [B, n, V] in the model's
+        dtype, features [B, n, F] of `feature_layers` or None). Row b's node i is at [b, i]."""
         past, width = self.length, max(len(t) for t in trees)
         self._tree_start = past
-        tokens = torch.zeros(len(trees), width, dtype=torch.long)
-        positions = torch.zeros(len(trees), width, dtype=torch.long)
-        mask = torch.zeros(len(trees), width, past + width, dtype=torch.bool)
-        mask[:, :, :past] = self.valid[:, None, :]
-        mask[:, :, past:] = torch.eye(width, dtype=torch.bool)
-        for row, tree in enumerate(trees):
-            n = len(tree)
-            tokens[row, :n] = tree.tokens
-            positions[row, :n] = tree.position_ids(self.lengths[row])
-            mask[row, :n, past: past + n] = tree.ancestor_mask()
-            mask[row, n:, :past] = False  # padding nodes see nothing but themselves
+        tokens = padded_rows([t.tokens for t in trees], width, 0)
+        lengths = torch.tensor(self.lengths, dtype=torch.long)[:, None]
+        positions = padded_rows([t.depths for t in trees], width, 0) + lengths
+        real = torch.arange(width)[None] < torch.tensor([len(t) for t in trees])[:, None]  # [B, width]
+        # every node sees its row's cached entries and its own ancestors; padding nodes see only themselves
+        mask = torch.cat([self.valid[:, None, :] & real[:, :, None], ancestor_masks(trees, width)], dim=2)
         out = kv.forward(self.model, self.cache, tokens.to(self.device), positions.to(self.device),
                          self._mask(mask), want_hidden=bool(feature_layers))
-        return out.logits.float(), join_features(out, feature_layers) if feature_layers else None
+        return out.logits, join_features(out, feature_layers) if feature_layers else None
 
     def commit(self, kept_nodes: list[list[int]]) -> None:
         """Per row, keep the KV entries of `kept_nodes` (root first, then the accepted path) of the trees

@@ -9,6 +9,7 @@ per-node quantity that depends on the ancestors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,12 +66,7 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: entry (i, j) is True when j is i itself or one of its ancestors."""
-        n = len(self)
-        mask = torch.eye(n, dtype=torch.bool)
-        parents = self.parents.tolist()
-        for i in range(1, n):
-            mask[i] |= mask[parents[i]]
-        return mask
+        return ancestor_masks([self], len(self))[0]
 
     def position_ids(self, past_length: int) -> torch.Tensor:
         return self.depths + past_length
@@ -116,3 +112,65 @@ class DraftTree:
         kept = set(keep.tolist())
         proposals = {int(new_index[node]): prop for node, prop in self.proposals.items() if node in kept}
         return DraftTree(self.tokens[keep], new_parents, self.scores[keep], self.depths[keep], proposals)
+
+
+class TreePool:
+    """A tree while it is being drafted: plain lists that grow by appending, with each node's path kept, so that
+    neither the drafting loop nor a drafter rebuilds anything per layer. What drafters' `expand` receives."""
+
+    def __init__(self, root_token: int) -> None:
+        self.tokens, self.parents, self.depths = [root_token], [-1], [0]
+        self._paths: list[list[int]] = [[]]
+
+    def append(self, tokens: Sequence[int], parents: Sequence[int]) -> range:
+        """Add nodes (parents already in the pool); returns their indices."""
+        first = len(self.tokens)
+        for parent in parents:
+            if not 0 <= parent < len(self._paths):
+                raise ValueError(f"parent {parent} is not in the pool yet")
+            self._paths.append(self._paths[parent] + [len(self._paths)])
+            self.depths.append(self.depths[parent] + 1)
+        self.tokens += tokens
+        self.parents += parents
+        return range(first, len(self.tokens))
+
+    @staticmethod
+    def from_lists(tokens: list[int], parents: list[int]) -> TreePool:
+        pool = TreePool(tokens[0])
+        pool.append(tokens[1:], parents[1:])
+        return pool
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path_to(self, node: int) -> list[int]:
+        """Indices from the root's first child down to `node` (empty for the root); do not modify."""
+        return self._paths[node]
+
+    def tree(self, scores: list[float], proposals: dict[int, Proposal] | None = None) -> DraftTree:
+        return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long),
+                         torch.tensor(scores, dtype=torch.float32), torch.tensor(self.depths, dtype=torch.long),
+                         dict(proposals or {}))
+
+
+def padded_rows(rows: list[torch.Tensor], width: int, fill: int) -> torch.Tensor:
+    """1-D tensors as the rows of one [len(rows), width] tensor, right-padded with `fill`."""
+    out = torch.full((len(rows), width), fill, dtype=rows[0].dtype)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def ancestor_masks(trees: list[DraftTree], width: int) -> torch.Tensor:
+    """[B, width, width] bool: row b's `ancestor_mask`, padded (a padding node sees only itself). Built one tree
+    level at a time for the whole batch: every node's k-th ancestor is marked at step k."""
+    parents = padded_rows([t.parents for t in trees], width, -1)
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+    rows = torch.arange(len(trees))[:, None].expand_as(parents)
+    nodes = torch.arange(width)[None].expand_as(parents)
+    ancestor = parents
+    for _ in range(max(t.max_depth for t in trees)):
+        has = ancestor >= 0
+        mask[rows[has], nodes[has], ancestor[has]] = True
+        ancestor = torch.where(has, parents.gather(1, ancestor.clamp(min=0)), ancestor)
+    return mask

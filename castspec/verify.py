@@ -28,13 +28,19 @@ def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[in
 
     Returns the accepted path (node indices, root excluded) and the bonus token: the target's argmax at the
     last accepted node. Emitting path tokens + bonus is exactly what greedy decoding would emit."""
-    choice = target_logits.argmax(dim=-1).tolist()
+    if target_logits.device.type == "cpu":
+        # on a CPU an argmax scans a node's whole vocabulary: take it only at the nodes the walk reaches
+        def choice(node: int) -> int:
+            return int(target_logits[node].argmax())
+    else:  # on a GPU every node's argmax is one kernel, and one transfer beats one per node
+        choice = target_logits.argmax(dim=-1).tolist().__getitem__
     child_of = child_index(tree)
-    path, node = [], 0
-    while (node, choice[node]) in child_of:
-        node = child_of[(node, choice[node])]
+    path, node, token = [], 0, choice(0)
+    while (node, token) in child_of:
+        node = child_of[(node, token)]
         path.append(node)
-    return path, choice[node]
+        token = choice(node)
+    return path, token
 
 
 def child_index(tree: DraftTree) -> dict[tuple[int, int], int]:

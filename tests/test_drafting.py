@@ -39,7 +39,7 @@ class ScriptedDrafter(Drafter):
         self.calls.append(("expand", sum(len(f) for f in frontiers)))
         out = []
         for pool, frontier in zip(pools, frontiers, strict=True):
-            rows = [child_logits(tuple(pool.tokens[pool.path_to(n)].tolist())) for n in frontier]
+            rows = [child_logits(tuple(pool.tokens[i] for i in pool.path_to(n))) for n in frontier]
             out.append(top_candidates(torch.stack(rows), top_k) if rows else
                        Candidates(torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k)))
         return out

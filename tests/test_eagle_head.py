@@ -21,7 +21,7 @@ from castspec.drafters.eagle_head import (
     load_eagle_head,
     save_eagle_head,
 )
-from castspec.drafting import _Pool
+from castspec.drafting import _add_layers, _Pool
 from castspec.errors import CastspecError
 from castspec.policies import ChainPolicy, Eagle2Policy
 
@@ -119,13 +119,13 @@ def test_cached_tree_forwards_equal_a_cache_free_run(smollm, random_head):
         assert cands[row].tokens[0].tolist() == top.indices.tolist()
         torch.testing.assert_close(cands[row].probs[0], top.values, rtol=1e-4, atol=1e-5)
         pool = _Pool(7)
-        nodes, _ = pool.add_layer([0], cands[row])
+        (nodes,), _ = _add_layers([pool], [[0]], [cands[row]])
         pools.append(pool)
         frontiers.append(nodes[1:3])  # the root's 2nd and 3rd children
         child = int(pool.tokens[nodes[2]])
         deeper = reference(tokens + [child], torch.cat([feats[row], hidden[-1:]]))
         expected.append(torch.softmax(lm_head(deeper[-1]), -1).topk(4))
-    second = drafter.expand([p.tree() for p in pools], frontiers, 4)
+    second = drafter.expand(pools, frontiers, 4)
     for row in range(2):
         assert second[row].tokens[1].tolist() == expected[row].indices.tolist()
         torch.testing.assert_close(second[row].probs[1], expected[row].values, rtol=1e-4, atol=1e-5)
@@ -216,13 +216,13 @@ def test_eagle3_cached_tree_forwards_equal_an_incremental_run(smollm, eagle3_che
         top = torch.softmax(head.logits(hidden[0, -1], lm_head), -1).topk(4)
         assert cands[row].tokens[0].tolist() == top.indices.tolist()
         pool = _Pool(7)
-        nodes, _ = pool.add_layer([0], cands[row])
+        (nodes,), _ = _add_layers([pool], [[0]], [cands[row]])
         pools.append(pool)
         frontiers.append(nodes[:2])
         child = int(pool.tokens[nodes[1]])
         deeper = head(embed(torch.tensor([[child]])), hidden[:, -1:], torch.tensor([[len(tokens)]]), None, cache)
         expected.append(torch.softmax(head.logits(deeper[0, -1], lm_head), -1).topk(4))
-    second = drafter.expand([p.tree() for p in pools], frontiers, 4)
+    second = drafter.expand(pools, frontiers, 4)
     for row in range(2):
         assert second[row].tokens[1].tolist() == expected[row].indices.tolist()
         torch.testing.assert_close(second[row].probs[1], expected[row].values, rtol=1e-4, atol=1e-5)

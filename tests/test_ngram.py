@@ -1,7 +1,7 @@
 import torch
 
 from castspec.drafters.ngram import NgramDrafter
-from castspec.tree import DraftTree
+from castspec.tree import TreePool
 
 
 def test_proposes_what_followed_the_longest_matching_suffix():
@@ -16,7 +16,7 @@ def test_proposes_what_followed_the_longest_matching_suffix():
 def test_expand_follows_the_path_of_each_node():
     d = NgramDrafter(max_n=2, min_n=2)
     d.begin([[7, 8, 9, 7, 8]], top_k=2)  # "7 8" -> 9
-    pool = DraftTree.from_lists([8, 9], [-1, 0], [1.0, 1.0])
+    pool = TreePool.from_lists([8, 9], [-1, 0])
     cands = d.expand([pool], [[1]], top_k=2)[0]  # "8 9" -> 7
     assert cands.tokens[0, 0] == 7 and cands.probs[0, 0] == 1.0
 

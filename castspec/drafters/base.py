@@ -9,7 +9,7 @@ import torch
 
 from castspec.errors import CastspecError
 from castspec.sampling import SamplingParams, warp
-from castspec.tree import DraftTree
+from castspec.tree import TreePool
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,11 @@ class Candidates:
 
 
 def top_candidates(logits: torch.Tensor, k: int) -> Candidates:
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = probs.topk(min(k, probs.shape[-1]), dim=-1)
-    return Candidates(top.indices, top.values)
+    """The k likeliest tokens per row and their probabilities. The top-k is taken on the logits and only those
+    k are normalised (by the row's logsumexp): a softmax over the whole vocabulary would write V floats per row."""
+    logits = logits.float()
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return Candidates(top.indices, (top.values - logits.logsumexp(dim=-1, keepdim=True)).exp())
 
 
 def sampled_candidates(logits: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator
@@ -71,7 +73,7 @@ class Drafter(ABC):
         """Absorb each row's newly accepted tokens and propose its root's children (one candidate row each)."""
 
     @abstractmethod
-    def expand(self, pools: list[DraftTree], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
+    def expand(self, pools: list[TreePool], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
         """Propose children for each row's `frontiers[b]` nodes of `pools[b]` (one candidate row per node, in
         frontier order; a row with an empty frontier gets empty candidates)."""
 

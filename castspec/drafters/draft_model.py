@@ -12,7 +12,7 @@ import torch
 from castspec import kv
 from castspec.drafters.base import Candidates, Drafter, empty_candidates, sampled_candidates, top_candidates
 from castspec.errors import CastspecError
-from castspec.tree import DraftTree
+from castspec.tree import TreePool
 
 
 def check_compatible(target_model, target_tokenizer, draft_model, draft_tokenizer) -> None:
@@ -64,10 +64,14 @@ class DraftModelDrafter(Drafter):
         out = kv.forward(self.model, self.cache, tokens, positions, mask, logits_to_keep=1 if last_only else 0)
         return out.logits, None
 
-    def _remember(self, row: int, node: int, hidden: torch.Tensor) -> None:
-        """Keep what a child of `node` will need as input (nothing, for a draft model)."""
+    def _remember_roots(self, hidden: torch.Tensor) -> None:
+        """Keep what the roots' children will need as input ([B, d]; nothing, for a draft model)."""
 
-    def _parent_feature(self, row: int, pool: DraftTree, node: int) -> torch.Tensor:
+    def _remember_frontier(self, frontiers: list[list[int]], hidden: torch.Tensor) -> None:
+        """Keep what the frontier nodes' children will need ([B, width, d], slot i of row b = frontiers[b][i])."""
+
+    def _frontier_features(self, pools: list[TreePool], frontiers: list[list[int]], width: int) -> torch.Tensor:
+        """[B, width, d]: the input each frontier node takes besides its token (its parent's hidden state)."""
         raise NotImplementedError
 
     def begin(self, new_tokens: list[list[int]], top_k: int,
@@ -99,41 +103,39 @@ class DraftModelDrafter(Drafter):
         self.base = start + width
         self.cached_nodes = [{0: self.base - 1} for _ in range(rows)]
         if hidden is not None:
-            for row in range(rows):
-                self._remember(row, 0, hidden[row, -1])
+            self._remember_roots(hidden[:, -1])
         return _split(self._candidates(logits[:, -1], top_k))
 
-    def expand(self, pools: list[DraftTree], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
+    def expand(self, pools: list[TreePool], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
         past, width = kv.cache_length(self.cache), max(len(f) for f in frontiers)
         if width == 0:
             return [empty_candidates(top_k) for _ in frontiers]
         rows = len(frontiers)
-        tokens = torch.zeros(rows, width, dtype=torch.long)
-        positions = torch.zeros(rows, width, dtype=torch.long)
+        tokens, positions = [[0] * width for _ in range(rows)], [[0] * width for _ in range(rows)]
+        # every slot sees its row's accepted prefix and itself; a node also sees its ancestors' tree entries
         mask = torch.zeros(rows, width, past + width, dtype=torch.bool)
+        mask[:, :, : self.base] = self.valid[:, None, : self.base]
         mask[:, :, past:] = torch.eye(width, dtype=torch.bool)
-        inputs = [[None] * width for _ in range(rows)] if self.feature_layers else None
+        seen_rows, seen_slots, seen_columns = [], [], []
         for row, (pool, frontier) in enumerate(zip(pools, frontiers, strict=True)):
             columns = self.cached_nodes[row]
             for i, node in enumerate(frontier):
-                tokens[row, i] = pool.tokens[node]
-                positions[row, i] = self.lengths[row] - 1 + pool.depths[node]
-                mask[row, i, : self.base] = self.valid[row, : self.base]
-                for ancestor in pool.path_to(node)[:-1]:
-                    mask[row, i, columns[ancestor]] = True
+                tokens[row][i] = pool.tokens[node]
+                positions[row][i] = self.lengths[row] - 1 + pool.depths[node]
+                ancestors = [columns[a] for a in pool.path_to(node)[:-1]]
+                seen_rows += [row] * len(ancestors)
+                seen_slots += [i] * len(ancestors)
+                seen_columns += ancestors
                 columns[node] = past + i
-                if inputs is not None:
-                    inputs[row][i] = self._parent_feature(row, pool, node)
-        features = None
-        if inputs is not None:
-            filler = inputs[0][0]
-            features = torch.stack([torch.stack([f if f is not None else filler for f in r]) for r in inputs])
-        logits, hidden = self._run(tokens.to(self.device), positions.to(self.device), mask[:, None].to(self.device),
+            mask[row, len(frontier):, : self.base] = False  # padding slots see nothing but themselves
+        if seen_columns:
+            mask[seen_rows, seen_slots, seen_columns] = True
+        features = self._frontier_features(pools, frontiers, width) if self.feature_layers else None
+        logits, hidden = self._run(torch.tensor(tokens, device=self.device),
+                                   torch.tensor(positions, device=self.device), mask[:, None].to(self.device),
                                    features, last_only=False)
         if hidden is not None:
-            for row, frontier in enumerate(frontiers):
-                for i, node in enumerate(frontier):
-                    self._remember(row, node, hidden[row, i])
+            self._remember_frontier(frontiers, hidden)
         cands = self._candidates(logits, top_k)
         return [Candidates(cands.tokens[row, : len(f)], cands.probs[row, : len(f)],
                            None if cands.proposal is None else cands.proposal[row, : len(f)])

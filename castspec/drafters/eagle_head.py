@@ -325,7 +325,7 @@ class EagleHeadDrafter(DraftModelDrafter):
     def reset(self, batch_size: int = 1) -> None:
         super().reset(batch_size)
         self.cache = kv.new_cache(self.head)
-        self.node_features: list[dict[int, torch.Tensor]] = [{} for _ in range(batch_size)]
+        self._forget_tree(batch_size)
 
     def _paired(self, new_tokens: list[list[int]], features: list[torch.Tensor] | None) -> list[list[int]]:
         if features is None:
@@ -351,20 +351,34 @@ class EagleHeadDrafter(DraftModelDrafter):
         top = top_candidates(logits, top_k)  # the softmax over the draft vocabulary: tokens outside have p = 0
         return Candidates(self.draft_ids[top.tokens], top.probs)
 
-    def _remember(self, row: int, node: int, hidden: torch.Tensor) -> None:
-        self.node_features[row][node] = hidden
+    def _remember_roots(self, hidden: torch.Tensor) -> None:
+        self.step_hidden = hidden[:, None]  # [B, slots, d]: this step's predicted features, the roots' first
+        self.hidden_slot = [{0: 0} for _ in range(hidden.shape[0])]  # per row: pool node -> slot
 
-    def _parent_feature(self, row: int, pool, node: int) -> torch.Tensor:
-        return self.node_features[row][int(pool.parents[node])]
+    def _remember_frontier(self, frontiers: list[list[int]], hidden: torch.Tensor) -> None:
+        offset = self.step_hidden.shape[1]
+        self.step_hidden = torch.cat([self.step_hidden, hidden], dim=1)
+        for slots, frontier in zip(self.hidden_slot, frontiers, strict=True):
+            slots.update(zip(frontier, range(offset, offset + len(frontier)), strict=True))
+
+    def _frontier_features(self, pools, frontiers: list[list[int]], width: int) -> torch.Tensor:
+        index = [[slots[pool.parents[node]] for node in frontier] + [0] * (width - len(frontier))
+                 for slots, pool, frontier in zip(self.hidden_slot, pools, frontiers, strict=True)]
+        index = torch.tensor(index, device=self.step_hidden.device)[:, :, None]
+        return self.step_hidden.gather(1, index.expand(-1, -1, self.step_hidden.shape[2]))
 
     def end_step(self) -> None:
         super().end_step()
-        self.node_features = [{} for _ in self.node_features]
+        self._forget_tree(len(self.lengths))
+
+    def _forget_tree(self, rows: int) -> None:
+        self.step_hidden: torch.Tensor | None = None
+        self.hidden_slot: list[dict[int, int]] = [{} for _ in range(rows)]
 
     def keep_rows(self, rows: list[int]) -> None:
         super().keep_rows(rows)
-        self.node_features = [{} for _ in rows]
+        self._forget_tree(len(rows))
 
     def add_rows(self, count: int) -> None:
         super().add_rows(count)
-        self.node_features += [{} for _ in range(count)]
+        self._forget_tree(len(self.lengths))

@@ -13,7 +13,7 @@ import torch
 
 from castspec.drafters.base import Candidates, Drafter
 from castspec.errors import CastspecError
-from castspec.tree import DraftTree
+from castspec.tree import TreePool
 
 
 class _Index:
@@ -72,12 +72,11 @@ class NgramDrafter(Drafter):
             out.append(self._candidates([index.propose(index.history, top_k)], top_k))
         return out
 
-    def expand(self, pools: list[DraftTree], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
+    def expand(self, pools: list[TreePool], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
         out = []
         for index, pool, frontier in zip(self.rows, pools, frontiers, strict=True):
             tail = index.history[-self.max_n:]
-            pool_tokens = pool.tokens.tolist()
-            proposals = [index.propose(tail + [pool_tokens[i] for i in pool.path_to(node)], top_k)
+            proposals = [index.propose(tail + [pool.tokens[i] for i in pool.path_to(node)], top_k)
                          for node in frontier]
             out.append(self._candidates(proposals, top_k))
         return out

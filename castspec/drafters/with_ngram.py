@@ -13,7 +13,7 @@ import torch
 from castspec.drafters.base import Candidates, Drafter
 from castspec.drafters.ngram import NgramDrafter
 from castspec.errors import CastspecError
-from castspec.tree import DraftTree
+from castspec.tree import TreePool
 
 
 def merge_candidates(model: Candidates, ngram: Candidates) -> Candidates:
@@ -64,7 +64,7 @@ class NgramAugmentedDrafter(Drafter):
         ngram = self.ngram.begin(new_tokens, top_k)
         return [merge_candidates(m, g) for m, g in zip(model, ngram, strict=True)]
 
-    def expand(self, pools: list[DraftTree], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
+    def expand(self, pools: list[TreePool], frontiers: list[list[int]], top_k: int) -> list[Candidates]:
         model = self.primary.expand(pools, frontiers, top_k)
         ngram = self.ngram.expand(pools, frontiers, top_k)
         return [merge_candidates(m, g) for m, g in zip(model, ngram, strict=True)]
