@@ -30,7 +30,7 @@ class StepTimer:
         self._patched: list[tuple[object, str]] = []
         for kind, mods in modules.items():
             for module in mods:
-                self._handles.append(module.register_forward_pre_hook(self._enter(kind)))
+                self._handles.append(module.register_forward_pre_hook(self._enter))
                 self._handles.append(module.register_forward_hook(self._leave(kind)))
 
     def time_calls(self, owner, name: str, key: str) -> None:
@@ -56,11 +56,9 @@ class StepTimer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _enter(self, kind: str):
-        def hook(module, args) -> None:
-            if self._current is not None and self._running is None:
-                self._running = (module, self._now())
-        return hook
+    def _enter(self, module, args) -> None:
+        if self._current is not None and self._running is None:
+            self._running = (module, self._now())
 
     def _leave(self, kind: str):
         def hook(module, args, output) -> None:
