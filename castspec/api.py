@@ -210,11 +210,11 @@ class Engine:
         self.drafter, self.policy = drafter, policy
         self.eos_ids = stop_token_ids(model, tokenizer)
 
-    @classmethod
-    def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
-             dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
-             head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
-             **policy_options) -> Engine:
+    @staticmethod
+    def check_options(method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
+                      head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
+                      **policy_options) -> None:
+        """What `load` refuses before it loads anything (a server checks this before it starts replicas)."""
         if method not in METHODS:
             raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         if method != "ar" and draft is None and drafter is None and head is None:
@@ -231,7 +231,14 @@ class Engine:
             raise CastspecError(f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTERS)} "
                                 "(or pass a draft model with --draft)")
         if method != "cast":
-            make_policy(method, **policy_options)  # refuse bad options before the slow model load
+            make_policy(method, **policy_options)
+
+    @classmethod
+    def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
+             dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
+             head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
+             **policy_options) -> Engine:
+        cls.check_options(method, draft, drafter, head, with_ngram, cost_model, **policy_options)
         target_model, tokenizer = load_model(model, dtype, device)
         draft_model = None
         if draft is not None:

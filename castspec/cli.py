@@ -59,10 +59,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
-def _load_engine(args):
-    """The Engine the generate and serve commands share, from their engine and policy arguments."""
-    from castspec.api import Engine
-
+def _engine_options(args) -> dict:
+    """Engine.load's keyword arguments from the generate / serve command line (a Ray replica loads from them)."""
     options = {"chain_length": args.chain_length, "top_k": args.top_k, "depth": args.depth,
                "total_tokens": args.total_tokens}
     if args.method == "cast":
@@ -70,10 +68,16 @@ def _load_engine(args):
                        cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto",
                        cast_calibrate=args.cast_calibration == "on",
                        cast_payoff=None if args.cast_payoff is None else args.cast_payoff == "on")
-    return Engine.load(args.model, args.method, draft=args.draft, drafter=args.drafter, head=args.head,
-                       with_ngram=args.with_ngram, dtype=args.dtype,
-                       device=args.device, cost_table=args.cost_table, force_table=args.force_table,
-                       cost_model=args.cost_model, **options)
+    return dict(model=args.model, method=args.method, draft=args.draft, drafter=args.drafter, head=args.head,
+                with_ngram=args.with_ngram, dtype=args.dtype, device=args.device, cost_table=args.cost_table,
+                force_table=args.force_table, cost_model=args.cost_model, **options)
+
+
+def _load_engine(args):
+    """The Engine the generate and serve commands share, from their engine and policy arguments."""
+    from castspec.api import Engine
+
+    return Engine.load(**_engine_options(args))
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -126,6 +130,20 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="requests queued for a place in the batch before new ones get 429 (default 256)")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
     _policy_args(serve)
+    ray_group = serve.add_argument_group("scale out on Ray Serve (pip install 'castspec[ray]'; docs/ray-serve.md)")
+    ray_group.add_argument("--replicas", type=int,
+                           help="N castspec replicas behind one endpoint (default: one process, no Ray)")
+    ray_group.add_argument("--replica-cpus", type=float, default=1.0,
+                           help="CPUs Ray reserves per replica; also its torch threads (default 1)")
+    ray_group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (with --device cuda)")
+    ray_group.add_argument("--max-ongoing-requests", type=int,
+                           help="requests Serve sends one replica at once (default twice --max-batch-size)")
+    ray_group.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas (with --max-replicas)")
+    ray_group.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
+    ray_group.add_argument("--target-ongoing-requests", type=float,
+                           help="autoscaling: ongoing requests per replica Serve aims at (default --max-batch-size)")
+    ray_group.add_argument("--ray-address", help="join this Ray cluster ('auto': the one running here); default: "
+                                                 "start a local Ray for this server")
 
     bench = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench protocol)")
     bench.add_argument("--model", default=DEFAULT_TARGET)
@@ -174,6 +192,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--max-batch-size", type=int, default=8)
     bserve.add_argument("--dtype", default="bf16")
     bserve.add_argument("--timeout", type=float, default=3600, help="seconds one level may take at most")
+    bserve.add_argument("--replicas", help="comma-separated replica counts, each method served once per count "
+                                          "(0 = one process without Ray; N = N Ray Serve replicas)")
+    bserve.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs and torch threads per replica")
     bserve.add_argument("--out-dir", default="bench/serve")
     bserve.add_argument("--name", default="bench-serve")
 
@@ -343,13 +364,30 @@ def _cmd_serve(args) -> None:
             raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 0 < args.port < 65536:
         raise CastspecError(f"--port must be in 1..65535, got {args.port}")
-    engine = _load_engine(args)
     name = args.served_model_name or args.model
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_on_ray(args, name)
+    engine = _load_engine(args)
     loop = EngineLoop(engine.stepper(args.max_batch_size, args.max_waiting), ServerMetrics(name), args.trace)
     server = Server(loop, engine.tokenizer, name, engine.target.max_positions, args.max_waiting)
     print(f"castspec: serving {name!r} ({engine.policy.describe() if engine.policy else 'ar'}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+
+
+def _serve_on_ray(args, name: str) -> None:
+    from castspec.serve.ray_app import ReplicaConfig, ScaleConfig, serve_forever
+
+    if args.replica_cpus <= 0:
+        raise CastspecError(f"--replica-cpus must be positive (it is also the replica's torch threads), got "
+                            f"{args.replica_cpus}")
+    config = ReplicaConfig(_engine_options(args), name, args.max_batch_size, args.max_waiting,
+                           threads=max(1, int(args.replica_cpus)), trace=args.trace)
+    replicas = 1 if args.replicas is None else args.replicas  # --ray-address alone: one replica on the cluster
+    scale = ScaleConfig(replicas, args.replica_cpus, args.replica_gpus, args.max_ongoing_requests, args.min_replicas,
+                        args.max_replicas, args.target_ongoing_requests)
+    serve_forever(config, scale, args.host, args.port, args.ray_address,
+                  log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _cmd_train_head(args) -> None:
@@ -510,11 +548,21 @@ def _cmd_bench_serve(args) -> None:
         raise CastspecError("--concurrency levels and --rates must be positive")
     if args.max_tokens < 1 or args.per_set < 1:
         raise CastspecError("--max-tokens and --per-set must be positive")
+    replicas = None
+    if args.replicas:
+        try:
+            replicas = [int(r) for r in args.replicas.split(",") if r.strip()]
+        except ValueError:
+            raise CastspecError(f"--replicas must be comma-separated integers, got {args.replicas!r}") from None
+        if not replicas or any(r < 0 for r in replicas):
+            raise CastspecError(f"--replicas counts must be 0 (one process) or more, got {args.replicas!r}")
     prompts = _prompts(args.sets, args.per_set, 0)
     result = run_bench_serve(args.model, specs, prompts, concurrency, rates, args.max_tokens, args.dtype,
-                             args.max_batch_size, args.draft, args.head, args.timeout,
-                             log=lambda line: print(line, file=sys.stderr, flush=True))
+                             args.max_batch_size, args.draft, args.head, args.timeout, replicas,
+                             args.replica_cpus, log=lambda line: print(line, file=sys.stderr, flush=True))
     meta = {**_meta(args.max_tokens, len(prompts)), "dtype": args.dtype, "max_batch_size": args.max_batch_size}
+    if replicas:
+        meta["replica_cpus"] = args.replica_cpus
     command = "castspec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     save(result, Path(args.out_dir), args.name, command, f"castspec serve under load: {Path(args.model).name}, "
          f"{len(prompts)} prompts per level", meta)

@@ -74,19 +74,19 @@ def setup_key(model, dtype: torch.dtype | None = None) -> dict:
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise linear, linear extrapolation from the end segments, never below the nearest end value."""
+    """Piecewise linear; beyond the last point linear from the end segment, never below the last value; before the
+    first point the first value (a forward after fewer cached entries than the smallest timed context costs what
+    that one did: extrapolating down could reach zero, a free forward)."""
     return _interp_with(xs, ys.__getitem__, x)
 
 
 def _interp_with(xs: list[float], value, x: float) -> float:
     """`_interp` with the ys computed on demand (`value(i)`): only the two ends of x's segment are needed."""
-    if len(xs) == 1:
+    if len(xs) == 1 or x <= xs[0]:
         return value(0)
     i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
     x0, x1, y0, y1 = xs[i], xs[i + 1], value(i), value(i + 1)
     y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    if x < xs[0]:
-        return max(min(y, y0), 0.0)
     if x > xs[-1]:
         return max(y, y1)
     return y

@@ -202,7 +202,9 @@ class LearnedCurve:
         key = (_nearest(BATCH_AXIS, b), _nearest(CONTEXT_AXIS, c), _nearest(TOKEN_AXIS, n))
         if key in self.cells and self.cells[key][1] >= self.settled:
             # a drift is a departure from what was learned, not a first visit to a cell the prior guessed
-            self.residuals.append(math.log(seconds) - math.log(self(b, c, n)))
+            predicted = self(b, c, n)
+            if predicted > 0:
+                self.residuals.append(math.log(seconds) - math.log(predicted))
         x = math.log(seconds)
         if self.coef is not None:  # carry the timing to the cell's centre along the prior's shape
             x += math.log(self.prior(*self._centre(key))) - math.log(self.prior(b, c, n))

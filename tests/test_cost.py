@@ -169,3 +169,11 @@ def test_isotonic_fit_averages_an_outlier_instead_of_carrying_it():
     assert fit[2][3] < 7.0  # the far corner stays near its own measurement, not at the outlier's 10
     already = [[1.0, 2.0, 3.0], [1.5, 2.5, 3.5]]
     assert isotonic_plane(already) == already
+
+
+def test_a_context_below_the_grid_costs_what_the_smallest_timed_one_did():
+    # linear extrapolation down from a steep first segment reached zero: a free forward, and log(0) in the
+    # online model's drift check (it killed a server's engine loop)
+    grid = CostGrid([1], [32, 64], [1, 2], [[[1.0, 1.5], [3.0, 4.0]]])
+    assert grid(1, 8, 1) == 1.0 and grid(1, 1, 2) == 1.5
+    assert grid(1, 48, 1) == 2.0 and grid(1, 128, 1) >= 3.0

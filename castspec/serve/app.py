@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from castspec.api import encode_text
@@ -243,7 +243,17 @@ class Server:
             yield _sse(body.model_dump_json()) + _sse("[DONE]")
 
 
-def build_app(server: Server) -> FastAPI:
+def refreshed_registry(server: Server) -> CollectorRegistry:
+    """This server's metrics, the gauges that describe the batch as it is now refreshed first."""
+    m = server.loop.metrics
+    m.observe_engine(server.loop.engine)
+    m.waiting.set(server.loop.queued())
+    return m.registry
+
+
+def build_app(server: Server, metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
+    """The HTTP app over `server`; `metrics` replaces what /metrics returns (a Ray replica returns every
+    replica's)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         server.loop.start()
@@ -295,10 +305,8 @@ def build_app(server: Server) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
-        m = server.loop.metrics
-        m.observe_engine(server.loop.engine)
-        m.waiting.set(server.loop.queued())
-        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics():
+        text = await metrics() if metrics is not None else generate_latest(refreshed_registry(server))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app

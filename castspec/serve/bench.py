@@ -27,6 +27,7 @@ import httpx
 
 from castspec.bench import MethodSpec
 from castspec.errors import CastspecError
+from castspec.serve.metrics import PUSH_EVERY_S
 
 START_TIMEOUT_S = 600
 CLI_FLAGS = {"chain_length": "--chain-length", "top_k": "--top-k", "depth": "--depth",
@@ -233,30 +234,49 @@ def summarise_level(records: list[RequestRecord], wall: float, before: dict, aft
     }
 
 
-def _read_trace(path: Path, start: int) -> tuple[list[dict], int]:
-    if not path.exists():
-        return [], start
-    lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines[start:]], len(lines)
+def _read_traces(path: Path, seen: dict[Path, int]) -> list[dict]:
+    """Steps written since the last read to `path`, or with Ray replicas to each replica's STEM.<id>.jsonl."""
+    steps = []
+    for trace in [path, *sorted(path.parent.glob(f"{path.stem}.*{path.suffix}"))]:
+        if trace.exists():
+            lines = trace.read_text().splitlines()
+            steps += [json.loads(line) for line in lines[seen.get(trace, 0):]]
+            seen[trace] = len(lines)
+    return steps
+
+
+def _label(spec: MethodSpec, replicas: int | None) -> str:
+    if replicas is None:
+        return spec.label
+    return f"{spec.label} @ {'1 process' if replicas == 0 else f'{replicas} replica' + ('s' if replicas > 1 else '')}"
 
 
 def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], concurrency: list[int],
                     rates: list[float], max_tokens: int, dtype: str, max_batch_size: int, draft: str | None = None,
-                    head: str | None = None, timeout_s: float = 3600, log=print) -> dict:
-    """Every method's server in turn, every level against it; returns the rows and a summary."""
+                    head: str | None = None, timeout_s: float = 3600, replicas: list[int] | None = None,
+                    replica_cpus: float = 1.0, log=print) -> dict:
+    """Every method's server in turn (with `replicas`: once per count, 0 = one process without Ray, N = N Ray
+    Serve replicas of `replica_cpus` CPUs and threads each), every level against it; returns rows and a summary."""
     served = Path(model).name
     rows = []
     with tempfile.TemporaryDirectory(prefix="castspec-bench-serve-") as tmp:
-        for spec in specs:
+        for spec, count in [(spec, count) for spec in specs for count in (replicas or [None])]:
+            label = _label(spec, count)
             trace = Path(tmp) / f"{len(rows)}-trace.jsonl"
             args = [*server_args(spec, draft, head), "--max-batch-size", str(max_batch_size), "--trace", str(trace),
                     "--served-model-name", served]
-            log(f"[{spec.label}] starting castspec serve {' '.join(args)}")
+            if count:
+                args += ["--replicas", str(count), "--replica-cpus", str(replica_cpus)]
+            log(f"[{label}] starting castspec serve {' '.join(args)}")
             with launch_server(model, args, Path(tmp) / f"{len(rows)}.log", dtype) as base:
-                asyncio.run(at_concurrency(base, served, prompts[:1], 1, 4, timeout_s))  # warm-up
-                seen = _read_trace(trace, 0)[1]
+                for _ in range(max(1, count or 1)):  # warm-up: every replica probably gets one
+                    asyncio.run(at_concurrency(base, served, prompts[:1], 1, 4, timeout_s))
+                seen: dict[Path, int] = {}
+                _read_traces(trace, seen)
                 levels = [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]
                 for kind, value in levels:
+                    if count:
+                        time.sleep(PUSH_EVERY_S + 0.5)
                     before, start = scrape(base), time.perf_counter()
                     level = (at_concurrency if kind == "concurrency" else at_rate)(base, served, prompts, value,
                                                                                     max_tokens, timeout_s)
@@ -266,24 +286,25 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
                         records = [RequestRecord(p["id"], start, error=f"level timed out after {timeout_s:.0f} s")
                                    for p in prompts]
                     wall = time.perf_counter() - start
-                    steps, seen = _read_trace(trace, seen)
-                    row = {"method": spec.label, "kind": kind, "level": value,
-                           **summarise_level(records, wall, before, scrape(base), steps),
+                    if count:  # every replica's metrics snapshot taken after the level's last request
+                        time.sleep(PUSH_EVERY_S + 0.5)
+                    row = {"method": label, "spec": spec.label, "replicas": count, "kind": kind, "level": value,
+                           **summarise_level(records, wall, before, scrape(base), _read_traces(trace, seen)),
                            "records": [asdict(r) for r in records]}
                     rows.append(row)
-                    log(f"[{spec.label}] {kind}={value}: {row['throughput_tok_s']} tok/s, mean batch "
+                    log(f"[{label}] {kind}={value}: {row['throughput_tok_s']} tok/s, mean batch "
                         f"{_fmt(row['mean_batch_size'])}, mean tree {_fmt(row['mean_tree_size'])}, tau "
                         f"{_fmt(row['tau'])}, tree by B {row['tree_size_by_batch']}, errors {len(row['errors'])}")
     return {"rows": rows, "summary": summarise_runs(rows)}
 
 
 def summarise_runs(rows: list[dict]) -> list[dict]:
-    """One line per (method, level): the figures above, the speed-up over AR at the same level, and whether
-    every output equals AR's."""
-    ar = {(r["kind"], r["level"]): r for r in rows if r["method"] == "ar"}
+    """One line per (method, level): the figures above, the speed-up over AR at the same level (and the same
+    replicas), and whether every output equals AR's."""
+    ar = {(r["kind"], r["level"], r.get("replicas")): r for r in rows if r.get("spec", r["method"]) == "ar"}
     out = []
     for r in rows:
-        base = ar.get((r["kind"], r["level"]))
+        base = ar.get((r["kind"], r["level"], r.get("replicas")))
         line = {k: v for k, v in r.items() if k not in ("records", "outputs")}
         line["speedup_vs_ar"] = (round(r["throughput_tok_s"] / base["throughput_tok_s"], 3)
                                  if base and base["throughput_tok_s"] else None)

@@ -14,6 +14,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 TREE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+PUSH_EVERY_S = 2.0  # with Ray replicas: how old another replica's series on /metrics may be (serve/ray_app.py)
 
 
 disable_created_metrics()  # the *_created series only repeat the start time
