@@ -137,7 +137,7 @@ def _build_parser() -> argparse.ArgumentParser:
                            help="CPUs Ray reserves per replica; also its torch threads (default 1)")
     ray_group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (with --device cuda)")
     ray_group.add_argument("--max-ongoing-requests", type=int,
-                           help="requests Serve sends one replica at once (default twice --max-batch-size)")
+                           help="requests Serve sends one replica at once (default --max-batch-size + 1)")
     ray_group.add_argument("--min-replicas", type=int, help="autoscaling: fewest replicas (with --max-replicas)")
     ray_group.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
     ray_group.add_argument("--target-ongoing-requests", type=float,

@@ -65,9 +65,10 @@ def endpoint(cluster, tmp_path_factory):
     table = tmp_path_factory.mktemp("costs") / "flat.json"
     flat_costs().save(table)
     log = tmp_path_factory.mktemp("logs") / "ray-serve.log"
+    # at most a batch per replica: a burst of 8 must use both (with more slots Serve may route it all to one)
     args = ["--drafter", "ngram", "--method", "cast", "--cost-table", str(table), "--force-table", "--cast-mode",
-            "paper", "--cost-model", "fixed", "--max-batch-size", "4", "--replicas", "2", "--replica-cpus", "1",
-            "--ray-address", "auto"]
+            "paper", "--cost-model", "fixed", "--max-batch-size", "4", "--max-ongoing-requests", "4",
+            "--replicas", "2", "--replica-cpus", "1", "--ray-address", "auto"]
     with launch_server(MODEL, args, log, dtype="fp32", start_timeout_s=400) as base:
         yield {"base": base, "log": log}
     # the server has exited (SIGTERM): its application is gone from the cluster, which keeps running
@@ -207,6 +208,6 @@ def test_scale_options_are_checked_before_ray_starts():
         with pytest.raises(Exception, match=message):
             bad.deployment_options(max_batch_size=4)
     options = ScaleConfig(replicas=2, min_replicas=1, max_replicas=4).deployment_options(max_batch_size=8)
-    assert options["max_ongoing_requests"] == 16 and "num_replicas" not in options
+    assert options["max_ongoing_requests"] == 9 and "num_replicas" not in options
     assert options["autoscaling_config"] == {"min_replicas": 1, "initial_replicas": 2, "max_replicas": 4,
                                              "target_ongoing_requests": 8}

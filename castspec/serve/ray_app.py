@@ -63,7 +63,7 @@ class ScaleConfig:
     replicas: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0
-    max_ongoing_requests: int | None = None  # default: twice the engine's max batch size
+    max_ongoing_requests: int | None = None  # default: the engine's max batch size + 1
     min_replicas: int | None = None  # both bounds given: autoscaling between them
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # autoscaling target per replica; default the max batch size
@@ -84,8 +84,10 @@ class ScaleConfig:
 
     def deployment_options(self, max_batch_size: int) -> dict:
         self.check(max_batch_size)
-        # Serve's default of 5 ongoing requests would cap the batch; the margin lets /health and /metrics through
-        options = {"max_ongoing_requests": self.max_ongoing_requests or 2 * max_batch_size,
+        # Serve's default of 5 ongoing requests would cap the batch; more than a batch lets a burst pile up on one
+        # replica while another idles (Serve routes on queue lengths it knows late); the one extra slot lets a
+        # /metrics or /health call through to a full replica
+        options = {"max_ongoing_requests": self.max_ongoing_requests or max_batch_size + 1,
                    "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
                    "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
         if self.min_replicas is None:
