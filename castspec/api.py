@@ -99,11 +99,14 @@ def _progress_line(message: str) -> None:
 
 
 def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: CostTable | None = None,
-                      fresh: bool = False, log=None) -> OnlineCostTable:
+                      fresh: bool = False, log=None, chosen_seed: bool = False,
+                      save: bool = True) -> OnlineCostTable:
     """CAST's cost model when it learns: continued from what an earlier run on this setup saved under
     $CASTSPEC_HOME/costs, else started from a profiled table (`seed`), else from a probe of a few forwards
     (seconds). `fresh`: from a probe whatever is saved, as on an empty $CASTSPEC_HOME (what it learns is saved
-    as usual, over any earlier learned table of this setup)."""
+    as usual, over any earlier learned table of this setup). `chosen_seed`: the caller named `seed` itself, so
+    it starts from it even where a learned table is saved; `save=False` keeps what it learns out of
+    $CASTSPEC_HOME (a table forced from another setup must not become this setup's)."""
     progress = None if log else _progress_line  # a caller with its own log gets the summary line only
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     key = setup_key(target_model)
@@ -111,7 +114,7 @@ def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: Cos
     meta = {"target": key, "draft": {"drafter": drafter_id, "model": drafter_id} if model_free else
             {"model": drafter_id}, "date": time.strftime("%Y-%m-%d %H:%M")}
     path = learned_path(castspec_home(), key, drafter_id)
-    if not fresh and path.exists():
+    if not fresh and not chosen_seed and path.exists():
         try:
             table = OnlineCostTable.load_learned(path, meta)
             log(f"cost model: online, going on from {table.target_curve.observations} timed forwards saved in "
@@ -119,11 +122,13 @@ def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: Cos
             return table
         except CastspecError as e:
             log(f"cost model: {e}; starting anew")
-    table = OnlineCostTable(meta, path=path)
+    table = OnlineCostTable(meta, path=path if save else None)
     if seed is not None and seed.draft is not None and not fresh:
         table.target_curve.seed_from(seed.target)
         table.draft_curve.seed_from(seed.draft)
-        log("cost model: online, starting from the profiled table for this setup")
+        log("cost model: online, starting from the " + ("given table" if chosen_seed else
+                                                        "profiled table for this setup")
+            + ("" if save else " (what it learns is not saved)"))
         return table
     start = time.perf_counter()
     target_timer, draft_timer = probe_timers(target_model, drafter)
@@ -258,7 +263,8 @@ class Engine:
             table = (CostTable.load(cost_table, expect=expect, force=force_table) if cost_table
                      else find_cost_table(expect, drafter_id))
             if cost_model == "online":
-                table = online_cost_model(target_model, chosen, drafter_id, seed=table)
+                table = online_cost_model(target_model, chosen, drafter_id, seed=table,
+                                          chosen_seed=cost_table is not None, save=not force_table)
         policy = make_policy(method, cost_table=table, **policy_options)
         return cls(target_model, tokenizer, chosen, policy)
 

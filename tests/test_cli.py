@@ -86,7 +86,7 @@ def test_cast_uses_a_cost_table_and_writes_a_decision_trace(tmp_path):
             str(table), "--prompt", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1,", "--max-new-tokens", "12", "--dtype", "fp32"]
     refused = run(*args)
     assert refused.returncode == 2 and "measured on another setup" in refused.stderr
-    proc = run(*args, "--force-table", "--cast-mode", "paper", "--trace", str(trace), "--json")
+    proc = run(*args, "--force-table", "--cast-mode", "paper", "--cost-model", "fixed", "--trace", str(trace), "--json")
     assert proc.returncode == 0, proc.stderr
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert steps and all({"layer_sizes", "widths", "verify_budget", "policy"} <= set(s) for s in steps)

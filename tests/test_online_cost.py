@@ -158,3 +158,26 @@ def test_seeded_from_a_profiled_grid():
     curve = LearnedCurve()
     curve.seed_from(grid)
     assert curve(2, 64, 8) == pytest.approx(truth(2, 64, 8), rel=0.05)
+
+
+def test_a_table_the_user_names_is_where_learning_starts_even_over_a_saved_one(tmp_path, monkeypatch, smollm):
+    from synthetic import flat_costs
+
+    from castspec.api import online_cost_model
+    from castspec.cost import setup_key
+
+    monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))
+    model, _ = smollm
+    meta = {"target": setup_key(model), "draft": {"drafter": "ngram", "model": "ngram"}}
+    path = learned_path(tmp_path, meta["target"], "ngram")
+    OnlineCostTable(meta, trained(seed=0, scale=50.0), trained(seed=1, scale=50.0), path=path).flush()
+    saved = path.read_text()
+    flat = flat_costs()
+    quiet = {"log": lambda message: None}
+    assert online_cost_model(model, None, "ngram", seed=flat, **quiet).f_target(1, 256, 8) == pytest.approx(
+        50 * truth(1, 256, 8), rel=0.2)  # nothing named: it goes on from the saved table
+    named = online_cost_model(model, None, "ngram", seed=flat, chosen_seed=True, save=False, **quiet)
+    assert named.f_target(1, 256, 8) == pytest.approx(flat.f_target(1, 256, 8), rel=0.05)
+    assert named.path is None
+    named.flush()
+    assert path.read_text() == saved

@@ -325,7 +325,7 @@ def test_serve_trace_records_batch_size_and_tree_shape(tmp_path, smollm):
     table = tmp_path / "flat.json"
     flat_costs().save(table)
     with live_server("--drafter", "ngram", "--method", "cast", "--cost-table", str(table), "--force-table",
-                     "--trace", str(trace), log_path=tmp_path / "trace.log") as base:
+                     "--cost-model", "fixed", "--trace", str(trace), log_path=tmp_path / "trace.log") as base:
         c = client(base)
         c.completions.create(model=MODEL, prompt=PROMPTS[11], max_tokens=12, temperature=0)
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
