@@ -204,6 +204,21 @@ class Generation:
         }
 
 
+def default_choice(method: str | None, draft: str | None, drafter: str | None,
+                   head: str | None) -> tuple[str, str | None, str]:
+    """The method and drafter a load uses when the caller leaves them out (CAST; the n-gram drafter, which
+    needs nothing but the target), and one line that says what was chosen and how to choose otherwise."""
+    chosen_method = method or "cast"
+    if chosen_method == "ar":
+        return chosen_method, drafter, "method ar: plain autoregressive decoding"
+    given = ("draft model " + draft if draft else "EAGLE head " + head if head else
+             f"{drafter} drafter" if drafter else None)
+    chosen_drafter = drafter if given else "ngram"
+    source = given or "the n-gram drafter (prompt lookup; --draft or --head for a model drafter)"
+    default = "" if method else " (the default; --method ar for plain decoding)"
+    return chosen_method, chosen_drafter, f"method {chosen_method}{default} over {source}"
+
+
 class Engine:
     """A target model, an optional drafter and a tree policy, ready to generate."""
 
@@ -214,17 +229,16 @@ class Engine:
         self.target = Target(model)
         self.drafter, self.policy = drafter, policy
         self.eos_ids = stop_token_ids(model, tokenizer)
+        self.choice = "method ar" if drafter is None else f"method {policy.name} over the {drafter.name} drafter"
 
     @staticmethod
-    def check_options(method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
+    def check_options(method: str | None = None, draft: str | None = None, drafter: str | None = None,
                       head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
                       **policy_options) -> None:
         """What `load` refuses before it loads anything (a server checks this before it starts replicas)."""
+        method, drafter, _ = default_choice(method, draft, drafter, head)
         if method not in METHODS:
             raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        if method != "ar" and draft is None and drafter is None and head is None:
-            raise CastspecError(f"method {method!r} needs a drafter: give --draft MODEL, --head EAGLE_HEAD or "
-                                "--drafter ngram")
         if sum(x is not None for x in (draft, drafter, head)) > 1:
             raise CastspecError("give one drafter: a draft model, an EAGLE head or --drafter, not several")
         if with_ngram and draft is None and head is None:
@@ -239,11 +253,15 @@ class Engine:
             make_policy(method, **policy_options)
 
     @classmethod
-    def load(cls, model: str, method: str = "eagle2", draft: str | None = None, drafter: str | None = None,
+    def load(cls, model: str, method: str | None = None, draft: str | None = None, drafter: str | None = None,
              dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
              head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
              **policy_options) -> Engine:
+        """A target by registry name, local directory or hub id, with a drafter and a tree policy. Given only
+        the model it decodes with CAST over the n-gram drafter (over `draft` or `head` when given); the engine's
+        `choice` says in words what it chose."""
         cls.check_options(method, draft, drafter, head, with_ngram, cost_model, **policy_options)
+        method, drafter, choice = default_choice(method, draft, drafter, head)
         target_model, tokenizer = load_model(model, dtype, device)
         draft_model = None
         if draft is not None:
@@ -266,7 +284,9 @@ class Engine:
                 table = online_cost_model(target_model, chosen, drafter_id, seed=table,
                                           chosen_seed=cost_table is not None, save=not force_table)
         policy = make_policy(method, cost_table=table, **policy_options)
-        return cls(target_model, tokenizer, chosen, policy)
+        engine = cls(target_model, tokenizer, chosen, policy)
+        engine.choice = choice
+        return engine
 
     def stepper(self, max_batch_size: int = 8, max_waiting: int | None = None) -> StepEngine:
         """A stepping engine over this engine's target, drafter and policy (continuous batching; the server's)."""

@@ -54,7 +54,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--head", help="EAGLE-1/2 or EAGLE-3 draft head: a directory (config.json + weights) or hub id")
     p.add_argument("--with-ngram", action="store_true",
                    help="merge n-gram (prompt lookup) proposals into the --draft or --head drafter's trees")
-    p.add_argument("--method", default="eagle2", help="ar | chain | eagle2 | cast (default eagle2)")
+    p.add_argument("--method", help="ar | chain | eagle2 | cast (default cast, over the n-gram drafter unless "
+                                    "--draft or --head is given)")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
     p.add_argument("--device", default="cpu")
 
@@ -63,7 +64,7 @@ def _engine_options(args) -> dict:
     """Engine.load's keyword arguments from the generate / serve command line (a Ray replica loads from them)."""
     options = {"chain_length": args.chain_length, "top_k": args.top_k, "depth": args.depth,
                "total_tokens": args.total_tokens}
-    if args.method == "cast":
+    if args.method in (None, "cast"):
         options.update(cast_c1=args.cast_c1, cast_c2=args.cast_c2, cast_c3=args.cast_c3, cast_r=args.cast_r,
                        cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto",
                        cast_calibrate=args.cast_calibration == "on",
@@ -322,6 +323,7 @@ def _cmd_generate(args) -> None:
         raise CastspecError(f"--batch-size must be positive, got {args.batch_size}")
     rows = read_prompts_file(args.prompts_file) if args.prompts_file else [{"id": 0, "prompt": args.prompt}]
     engine = _load_engine(args)
+    print(f"castspec: {engine.choice}", file=sys.stderr, flush=True)
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below, written per step
     for first in range(0, len(rows), args.batch_size):
         batch = rows[first: first + args.batch_size]
@@ -370,8 +372,8 @@ def _cmd_serve(args) -> None:
     engine = _load_engine(args)
     loop = EngineLoop(engine.stepper(args.max_batch_size, args.max_waiting), ServerMetrics(name), args.trace)
     server = Server(loop, engine.tokenizer, name, engine.target.max_positions, args.max_waiting)
-    print(f"castspec: serving {name!r} ({engine.policy.describe() if engine.policy else 'ar'}) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"castspec: serving {name!r} on http://{args.host}:{args.port}/v1; {engine.choice}"
+          + (f" ({engine.policy.describe()})" if engine.policy else ""), file=sys.stderr, flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
 
 

@@ -3,7 +3,9 @@ bf16 safetensors, and loading of any model a user names (registry name, local HF
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -164,6 +166,24 @@ def assemble(spec: RegistryModel, log: Log = _stderr) -> Path:
     return gguf
 
 
+@contextlib.contextmanager
+def _library_output_held():
+    """Hold what transformers prints while it converts a GGUF (a dtype notice and tqdm bars that mean nothing to a
+    user of the converted model): shown only if the conversion fails, so no clue is lost."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, held = hf_logging.get_verbosity(), io.StringIO()
+    hf_logging.set_verbosity_error()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def fetch(name: str, log: Log = _stderr, keep_downloads: bool = False) -> Path:
     """Make registry model `name` available as dense bf16 safetensors; returns its directory."""
     if name not in REGISTRY:
@@ -176,16 +196,17 @@ def fetch(name: str, log: Log = _stderr, keep_downloads: bool = False) -> Path:
     log(f"converting {gguf.name} to bf16 safetensors (a one-off, ~30 s) ...")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    with _library_output_held():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     (tmp / "castspec.json").write_text(json.dumps({"name": name, "sha256": spec.sha256,
                                                    "packages": list(spec.packages)}, indent=1))
     shutil.rmtree(target, ignore_errors=True)
@@ -225,11 +246,18 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
         raise CastspecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
     source = resolve(model, log)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar over reading local shards (a hub download keeps its own bar)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         lm = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
     except OSError as e:
         raise CastspecError(f"could not load model {model!r}: {str(e).splitlines()[0]}") from e
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     lm.to(device).eval()
     return lm, tokenizer

@@ -22,7 +22,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
         (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens must be positive"),
         (["--prompt", "hi", "--method", "beam"], "unknown method 'beam'"),
         (["--prompt", "hi", "--drafter", "magic"], "unknown drafter 'magic'"),
-        (["--prompt", "hi", "--method", "chain"], "needs a drafter"),
+        (["--prompt", "hi", "--method", "chain", "--with-ngram"], "give --draft or --head too"),
         (["--prompt", "hi", "--drafter", "ngram", "--dtype", "int3"], "unknown dtype"),
         (["--prompts-file", "/nonexistent.jsonl"], "does not exist"),
     ],
@@ -254,3 +254,28 @@ def test_training_data_from_several_sources(tmp_path, capsys):
     assert main(["train-head", "--target", "smollm2-135m", "--data", f"{both},{tmp_path / 'none.jsonl'}",
                  "--out", str(tmp_path / "h")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+
+def test_generate_with_only_a_model_and_a_prompt_uses_cast_over_ngram_and_says_so(smollm, smollm_reference):
+    from castspec.api import Engine
+
+    prompt = "def fib(n):"
+    proc = run("generate", "--model", "smollm2-135m", "--prompt", prompt, "--max-new-tokens", "24", "--dtype", "fp32",
+               "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "castspec: method cast (the default; --method ar for plain decoding) over the n-gram drafter" in proc.stderr
+    model, tokenizer = smollm
+    ids = Engine(model, tokenizer).encode(prompt)
+    assert json.loads(proc.stdout)["output_ids"] == smollm_reference(tuple(ids), 24)
+
+
+def test_the_defaults_name_what_they_chose():
+    from castspec.api import default_choice
+
+    assert default_choice(None, None, None, None)[:2] == ("cast", "ngram")
+    method, drafter, said = default_choice(None, "qwen2.5-coder-0.5b", None, None)
+    assert (method, drafter) == ("cast", None) and "over draft model qwen2.5-coder-0.5b" in said
+    assert "(the default" not in default_choice("cast", None, None, "./head")[2]
+    assert default_choice("eagle2", None, None, None)[:2] == ("eagle2", "ngram")
+    assert default_choice("ar", None, None, None) == ("ar", None, "method ar: plain autoregressive decoding")
