@@ -245,7 +245,6 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
     if dtype not in DTYPES:
         raise CastspecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     source = resolve(model, log)
