@@ -199,6 +199,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--out-dir", default="bench/serve")
     bserve.add_argument("--name", default="bench-serve")
 
+    index = sub.add_parser("bench-index", help="regenerate bench/README.md (the index of every study and run) "
+                                               "from the runs' JSON files")
+    index.add_argument("--bench-dir", default="bench")
     combine = sub.add_parser("bench-combine", help="one table and plot from benchmark runs on the same prompts, "
                                                    "each method over its own run's AR")
     combine.add_argument("runs", nargs="+", help="finished runs' JSON files (bench/NAME.json)")
@@ -849,12 +852,25 @@ def torch_device(name: str):
     return torch.device(name)
 
 
+def _cmd_bench_index(args) -> None:
+    from castspec.bench_index import write_index
+
+    bench = Path(args.bench_dir)
+    if not bench.is_dir():
+        raise CastspecError(f"{bench} is not a directory")
+    try:
+        print(write_index(bench))
+    except (ValueError, json.JSONDecodeError) as e:
+        raise CastspecError(f"bench index: {e}") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "serve": _cmd_serve, "bench": _cmd_bench,
-                    "demo": _cmd_demo, "bench-combine": _cmd_bench_combine, "bench-serve": _cmd_bench_serve,
+                    "demo": _cmd_demo, "bench-combine": _cmd_bench_combine, "bench-index": _cmd_bench_index,
+                    "bench-serve": _cmd_bench_serve,
                     "train-head": _cmd_train_head, "tune": _cmd_tune, "regenerate": _cmd_regenerate,
                     "profile": _cmd_profile, "head-vocab": _cmd_head_vocab}
         commands[args.command](args)

@@ -160,7 +160,7 @@ def widened_vocabulary(current: torch.Tensor, sequences: list[TrainingSequence],
     id. A head's lm_head rows are the target's own, so widening costs no training: the predicted feature scores
     the new rows in the target's own space. A vocabulary counted on a small training set misses tokens the target
     writes often elsewhere, and a token outside it is never drafted; whether the head would have predicted them
-    is another matter (measured in bench/README.md: for one head, no better than before)."""
+    is another matter (measured in bench/HISTORY.md: for one head, no better than before)."""
     if size < len(current):
         raise CastspecError(f"the head already drafts among {len(current)} tokens; --size {size} would drop some")
     counts = Counter(token for s in sequences for token, answer in zip(s.ids, s.response, strict=True) if answer)

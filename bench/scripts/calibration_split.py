@@ -39,5 +39,5 @@ for name in ("auto", "calibrated (both)", "utilities only", "payoff only"):
                  "verify": round(statistics.fmean(n for r in rs for n in r.tree_sizes), 2),
                  "drafting_steps": round(statistics.fmean(d > 0 for r in rs for d in r.depths), 3)}
     print(name, out[name], flush=True)
-with open("bench/calibration-split-ngram-qwen1.5b-bf16.json", "w") as f:
+with open("bench/calibration/calibration-split-ngram-qwen1.5b-bf16.json", "w") as f:
     json.dump(out, f, indent=1)

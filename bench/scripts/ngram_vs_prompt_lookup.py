@@ -8,7 +8,7 @@ and the (up to) 10 tokens that followed it are the chain. Ours: NgramDrafter(max
 EAGLE-2 / CAST policies.
 
 Run: .venv/bin/python bench/scripts/ngram_vs_prompt_lookup.py [HEADLINE.json] \
-    > bench/ngram-vs-prompt-lookup-qwen1.5b-bf16-avx512bf16.txt"""
+    > bench/ngram/ngram-vs-prompt-lookup-qwen1.5b-bf16-avx512bf16.txt"""
 
 import json
 import statistics
@@ -25,7 +25,7 @@ from castspec.models import castspec_home, converted_dir
 from castspec.prompts import load_prompt_set
 from castspec.replay import replay
 
-headline_path = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/headline-qwen1.5b-bf16-avx512bf16.json")
+headline_path = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/headline/headline-qwen1.5b-bf16-avx512bf16.json")
 headline = json.loads(headline_path.read_text())
 max_new = headline["meta"]["max_new_tokens"]
 setup = headline["meta"]["settings"]
