@@ -199,6 +199,16 @@ def _build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--out-dir", default="bench/serve")
     bserve.add_argument("--name", default="bench-serve")
 
+    explain = sub.add_parser("explain", help="draw one step's draft tree and the decisions behind it, and the tree "
+                                             "size, depth and tau over the generation")
+    _engine_args(explain)
+    explain.add_argument("--prompt", required=True)
+    explain.add_argument("--chat", action="store_true", help="wrap --prompt as a user message")
+    explain.add_argument("--max-new-tokens", type=int, default=48)
+    explain.add_argument("--step", type=int, help="the step to draw (default: the one with the largest tree)")
+    explain.add_argument("--out", required=True, help="the step's picture (PNG)")
+    explain.add_argument("--generation-out", help="also the whole generation's tree sizes, depths and tau (PNG)")
+    _policy_args(explain)
     index = sub.add_parser("bench-index", help="regenerate bench/README.md (the index of every study and run) "
                                                "from the runs' JSON files")
     index.add_argument("--bench-dir", default="bench")
@@ -852,6 +862,29 @@ def torch_device(name: str):
     return torch.device(name)
 
 
+def _cmd_explain(args) -> None:
+    from castspec.explain import draw_generation, draw_step, generate_explained, pick_step
+
+    if not args.prompt.strip():
+        raise CastspecError("the prompt is empty")
+    if args.max_new_tokens < 2:
+        raise CastspecError(f"--max-new-tokens must be at least 2 (a step after the first token), got "
+                            f"{args.max_new_tokens}")
+    engine = _load_engine(args)
+    print(f"castspec: {engine.choice}", file=sys.stderr, flush=True)
+    chat = [{"role": "user", "content": args.prompt}] if args.chat else None
+    generation, steps = generate_explained(engine, None if chat else args.prompt, chat, args.max_new_tokens)
+    number = pick_step(steps, args.step)
+    who = f"{Path(args.model).name}, {engine.policy.name} over {engine.drafter.name}" + (
+        f", costs from {Path(args.cost_table).name}" if args.cost_table else "")
+    draw_step(steps[number], engine.tokenizer, args.out, f"step {number} of {len(steps)}: {who}")
+    print(args.out)
+    if args.generation_out:
+        draw_generation(steps, args.generation_out, f"{len(generation.output_ids)} tokens in {len(steps)} steps, "
+                                                    f"tau {generation.mean_accepted:.2f}\n{who}")
+        print(args.generation_out)
+
+
 def _cmd_bench_index(args) -> None:
     from castspec.bench_index import write_index
 
@@ -870,6 +903,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "serve": _cmd_serve, "bench": _cmd_bench,
                     "demo": _cmd_demo, "bench-combine": _cmd_bench_combine, "bench-index": _cmd_bench_index,
+                    "explain": _cmd_explain,
                     "bench-serve": _cmd_bench_serve,
                     "train-head": _cmd_train_head, "tune": _cmd_tune, "regenerate": _cmd_regenerate,
                     "profile": _cmd_profile, "head-vocab": _cmd_head_vocab}

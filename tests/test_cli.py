@@ -279,3 +279,35 @@ def test_the_defaults_name_what_they_chose():
     assert "(the default" not in default_choice("cast", None, None, "./head")[2]
     assert default_choice("eagle2", None, None, None)[:2] == ("eagle2", "ngram")
     assert default_choice("ar", None, None, None) == ("ar", None, "method ar: plain autoregressive decoding")
+
+
+def test_explain_draws_the_largest_step_and_the_generation(tmp_path, smollm, smollm_reference):
+    from synthetic import flat_costs
+
+    from castspec.api import Engine
+    from castspec.explain import generate_explained, pick_step
+
+    table = tmp_path / "flat.json"
+    flat_costs().save(table)
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1,"
+    common = ["explain", "--model", "smollm2-135m", "--dtype", "fp32", "--cost-table", str(table), "--force-table",
+              "--cost-model", "fixed", "--cast-mode", "paper", "--prompt", prompt, "--max-new-tokens", "16"]
+    step, generation = tmp_path / "step.png", tmp_path / "generation.png"
+    proc = run(*common, "--out", str(step), "--generation-out", str(generation))
+    assert proc.returncode == 0, proc.stderr
+    assert step.read_bytes()[:4] == b"\x89PNG" and generation.read_bytes()[:4] == b"\x89PNG"
+    refused = run(*common, "--step", "99", "--out", str(step))
+    assert refused.returncode == 2 and "is not a step of this generation" in refused.stderr
+    model, tokenizer = smollm
+    engine = Engine.load("smollm2-135m", dtype="fp32", cost_table=str(table), force_table=True, cost_model="fixed",
+                         cast_auto=False)
+    out, steps = generate_explained(engine, prompt, max_new_tokens=16)
+    assert out.output_ids == smollm_reference(tuple(engine.encode(prompt)), 16)  # watching changes nothing
+    largest = pick_step(steps, None)
+    assert len(steps[largest].tree) == max(len(s.tree) for s in steps) > 1
+    position = 1  # the prefill's token comes first; each step starts from the last token and adds its path
+    for s in steps:
+        assert int(s.tree.tokens[0]) == out.output_ids[position - 1]
+        drafted = s.tree.tokens[s.path].tolist()[: len(out.output_ids) - position]
+        assert out.output_ids[position: position + len(drafted)] == drafted
+        position += s.stats.accepted
