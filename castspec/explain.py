@@ -86,7 +86,8 @@ def _decision_lines(record) -> list[str]:
     utilities, costs = decisions.get("verify_utilities") or [], decisions.get("verify_costs") or []
     if utilities and costs:
         lines.append("verify k nodes: utility / cost (in AR steps)")
-        lines += [f"  k={k}: {u:.2f} / {c:.2f}" for k, (u, c) in enumerate(zip(utilities, costs, strict=False), start=1)][:12]
+        pairs = list(zip(utilities, costs, strict=False))[:12]
+        lines += [f"  k={k}: {u:.2f} / {c:.2f}" for k, (u, c) in enumerate(pairs, start=1)]
     if "drafting_payoff" in decisions:
         lines.append(f"drafting payoff lately: {decisions['drafting_payoff']:.2f}")
     timing = decisions.get("timing") or {}

@@ -11,8 +11,10 @@ the draft model; the KV bookkeeping is the draft model's (`DraftModelDrafter`), 
 Checkpoints use the public EAGLE layout: `config.json` (a Llama config, `num_hidden_layers` = head layers) and
 `model.safetensors` or `pytorch_model.bin` with `fc.weight` [d, 2d] (+ optional `fc.bias`), `layers.{i}.*` as in a
 Llama decoder layer (layer 0 without `input_layernorm`: EAGLE feeds it the fc output unnormalised) and optionally
-`embed_tokens.weight` (absent: the target's embeddings are used). EAGLE-3 checkpoints (`midlayer.*`, `fc.weight`
-[d, 3 d_target], `norm.weight`, `lm_head.weight` [draft vocab, d], `d2t`, `t2d`) load as `Eagle3Head`."""
+`embed_tokens.weight` (absent: the target's embeddings are used); Qwen2 heads add q/k/v biases. EAGLE-3 checkpoints
+(`midlayer.*`, `fc.weight` [d, 3 d_target], `norm.weight`, `lm_head.weight` [draft vocab, d], `d2t`, `t2d`; SpecForge
+`fc_norm.*`; vLLM speculators' `layers.0.*` with a nested `transformer_layer_config`) load as `Eagle3Head`
+(docs/eagle_heads.md lists every published layout and its test)."""
 
 from __future__ import annotations
 
@@ -109,8 +111,8 @@ class Eagle3Head(nn.Module):
     by d2t (target id = draft id + d2t[draft id]). Inside a tree a node's feature is its parent's output,
     taken as it is (not through fc)."""
 
-    def __init__(self, config: LlamaConfig, target_hidden: int, draft_vocab: int, feature_layers: tuple[int, ...]
-                 ) -> None:
+    def __init__(self, config: LlamaConfig, target_hidden: int, draft_vocab: int, feature_layers: tuple[int, ...],
+                 fc_norm: bool = False) -> None:
         super().__init__()
         config._attn_implementation = "sdpa"
         self.config, self.feature_layers = config, tuple(feature_layers)
@@ -118,6 +120,9 @@ class Eagle3Head(nn.Module):
         head_dim = getattr(config, "head_dim", None) or d // heads
         self.embed_tokens: nn.Embedding | None = None
         self.fc = nn.Linear(len(self.feature_layers) * target_hidden, d, bias=False)
+        # SpecForge "fc_norm": each target layer's hidden state through its own RMSNorm before fc
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(target_hidden, eps=config.rms_norm_eps)
+                                     for _ in self.feature_layers) if fc_norm else None
         self.midlayer = LlamaDecoderLayer(config, 0)
         bias = bool(getattr(config, "attention_bias", False))
         self.midlayer.self_attn.q_proj = nn.Linear(2 * d, heads * head_dim, bias=bias)
@@ -134,7 +139,13 @@ class Eagle3Head(nn.Module):
                 mask: torch.Tensor | None, cache=None) -> torch.Tensor:
         features = features.to(embeddings.dtype)
         # target features arrive as the fused layers (wider than d); a tree node's feature is already d wide
-        hidden = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        if features.shape[-1] != self.config.hidden_size:
+            if self.fc_norm is not None:
+                parts = features.chunk(len(self.fc_norm), dim=-1)
+                features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)], dim=-1)
+            hidden = self.fc(features)
+        else:
+            hidden = features
         layer = self.midlayer
         fused = torch.cat([layer.input_layernorm(embeddings), layer.hidden_norm(hidden)], dim=-1)
         attended, _ = layer.self_attn(hidden_states=fused, attention_mask=mask, position_ids=positions,
@@ -220,17 +231,70 @@ def load_eagle_head(source: str, target_model, dtype: torch.dtype | None = None)
         raise CastspecError(f"{source}: no fc.weight: not an EAGLE head (keys: {', '.join(sorted(weights)[:6])} ...)")
     try:
         fields = json.loads((directory / "config.json").read_text())
-        config = LlamaConfig(**{k: v for k, v in fields.items() if k != "transformers_version"})
-    except Exception as e:  # JSON errors and the config class's own validators (not all ValueErrors)
+    except ValueError as e:
+        raise CastspecError(f"{directory / 'config.json'} is not valid JSON: {e}") from e
+    fields, aux_ids_shift = _head_fields(source, fields)
+    try:
+        config = LlamaConfig(**fields)
+    except Exception as e:  # the config class's own validators (not all ValueErrors)
         raise CastspecError(f"{directory / 'config.json'} is not a valid Llama config for an EAGLE head: {e}") from e
+    weights = _canonical_keys(source, weights)
     target_hidden = target_model.config.hidden_size
     target_vocab = target_model.get_output_embeddings().weight.shape[0]
     if any(k.startswith("midlayer.") for k in weights):
-        head = _eagle3(source, config, weights, target_model, target_hidden, target_vocab)
+        head = _eagle3(source, config, weights, target_model, target_hidden, target_vocab, aux_ids_shift)
     else:
         head = _eagle1(source, config, weights, target_hidden, target_vocab)
     param = next(target_model.parameters())
     return head.to(device=param.device, dtype=dtype or param.dtype).eval()
+
+
+def _head_fields(source: str, fields: dict) -> tuple[dict, int]:
+    """A published head's config as LlamaConfig fields, and how its aux-layer ids count: SpecForge / SGLang
+    ids name a layer's output (hidden_states index id + 1), vLLM speculators' the hidden state entering it."""
+    if not isinstance(fields, dict):
+        raise CastspecError(f"the EAGLE head {source}: config.json is not a JSON object")
+    shift = 1
+    if "transformer_layer_config" in fields:  # vLLM speculators: the layer's config nested, the rest on top
+        for flag in ("norm_before_fc", "norm_before_residual"):
+            if fields.get(flag):
+                raise CastspecError(f"the EAGLE-3 head {source} sets {flag}: that variant is not supported")
+        outer = fields
+        fields = dict(outer["transformer_layer_config"] or {})
+        for key in ("draft_vocab_size", "target_hidden_size", "fc_norm"):
+            if outer.get(key) is not None:
+                fields[key] = outer[key]
+        if outer.get("eagle_aux_hidden_state_layer_ids"):
+            fields["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": outer["eagle_aux_hidden_state_layer_ids"]}
+            shift = 0
+    fields = {k: v for k, v in fields.items() if k not in ("transformers_version", "model_type", "auto_map")}
+    if "max_position_embeddings" not in fields and "max_sequence_length" in fields:  # Vicuna-33B's head
+        fields["max_position_embeddings"] = fields["max_sequence_length"]
+    return fields, shift
+
+
+def _canonical_keys(source: str, weights: dict) -> dict:
+    """Weights under the key names this module uses: vLLM speculators write EAGLE-3's `midlayer.` as
+    `layers.0.`; a layer this module cannot build is refused by name."""
+    if "layers.0.hidden_norm.weight" in weights:
+        weights = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+                   for k, v in weights.items()}
+    unsupported = [k for k in weights if k.endswith(("q_norm.weight", "k_norm.weight")) or k.startswith("input_norm")]
+    if unsupported:
+        raise CastspecError(f"the EAGLE head {source} has {unsupported[0]} (Qwen3-style q/k norms or a norm before "
+                            "fc): a head layout this loader does not build")
+    return weights
+
+
+def _match_projection_biases(layer: nn.Module, prefix: str, weights: dict) -> None:
+    """Give q/k/v/o exactly the biases the checkpoint has: Qwen2 EAGLE heads (`qkv_bias`) carry q/k/v biases
+    and none on o_proj, which no single LlamaConfig flag builds."""
+    attention = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        old = getattr(attention, name)
+        wanted = f"{prefix}self_attn.{name}.bias" in weights
+        if wanted != (old.bias is not None):
+            setattr(attention, name, nn.Linear(old.in_features, old.out_features, bias=wanted))
 
 
 def _eagle1(source: str, config: LlamaConfig, weights: dict, target_hidden: int, target_vocab: int) -> EagleHead:
@@ -242,6 +306,8 @@ def _eagle1(source: str, config: LlamaConfig, weights: dict, target_hidden: int,
         raise CastspecError(f"the EAGLE head {source} embeds {embed.shape[0]} tokens, the target predicts "
                             f"{target_vocab}: it was trained for another tokenizer")
     head = EagleHead(config, fc_bias="fc.bias" in weights, input_norm="layers.0.input_layernorm.weight" in weights)
+    for i, layer in enumerate(head.layers):
+        _match_projection_biases(layer, f"layers.{i}.", weights)
     d2t = weights.pop("d2t", None)
     weights = {k: v for k, v in weights.items() if not k.startswith(("lm_head.", "t2d"))}
     missing, unexpected = head.load_state_dict(weights, strict=False)
@@ -261,12 +327,19 @@ def _eagle1(source: str, config: LlamaConfig, weights: dict, target_hidden: int,
 
 
 def _eagle3(source: str, config: LlamaConfig, weights: dict, target_model, target_hidden: int,
-            target_vocab: int) -> Eagle3Head:
-    for key in ("d2t", "lm_head.weight"):
-        if key not in weights:
-            raise CastspecError(f"the EAGLE-3 head {source} has no {key}")
+            target_vocab: int, aux_ids_shift: int = 1) -> Eagle3Head:
+    if "lm_head.weight" not in weights:
+        raise CastspecError(f"the EAGLE-3 head {source} has no lm_head.weight (a head drafting through the "
+                            "target's lm_head is not supported)")
+    if "d2t" not in weights:  # speculators leave the mapping out when the draft vocabulary is the target's
+        if weights["lm_head.weight"].shape[0] != target_vocab:
+            raise CastspecError(f"the EAGLE-3 head {source} has no d2t, and its lm_head predicts "
+                                f"{weights['lm_head.weight'].shape[0]} tokens, not the target's {target_vocab}")
+        weights["d2t"] = torch.zeros(target_vocab, dtype=torch.long)
+        weights.setdefault("t2d", torch.ones(target_vocab, dtype=torch.bool))
     aux = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
-    layers = tuple(i + 1 for i in aux) if aux else eagle3_feature_layers(target_model.config.num_hidden_layers)
+    layers = (tuple(i + aux_ids_shift for i in aux) if aux
+              else eagle3_feature_layers(target_model.config.num_hidden_layers))
     fc = weights["fc.weight"]
     if fc.shape[1] != len(layers) * target_hidden:
         raise CastspecError(f"the EAGLE-3 head {source} fuses features of width {fc.shape[1]}; this target gives "
@@ -278,7 +351,9 @@ def _eagle3(source: str, config: LlamaConfig, weights: dict, target_model, targe
         raise CastspecError(f"the EAGLE-3 head {source} maps its {draft_vocab} draft tokens into a vocabulary other "
                             f"than the target's {target_vocab}: it was trained for another tokenizer")
     config.vocab_size = target_vocab
-    head = Eagle3Head(config, target_hidden, draft_vocab, layers)
+    head = Eagle3Head(config, target_hidden, draft_vocab, layers,
+                      fc_norm=any(k.startswith("fc_norm.") for k in weights))
+    _match_projection_biases(head.midlayer, "midlayer.", weights)
     embed = weights.pop("embed_tokens.weight", None)
     weights.setdefault("t2d", torch.zeros(target_vocab, dtype=torch.bool))
     missing, unexpected = head.load_state_dict(weights, strict=False)
