@@ -903,10 +903,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"models": _cmd_models, "generate": _cmd_generate, "serve": _cmd_serve, "bench": _cmd_bench,
                     "demo": _cmd_demo, "bench-combine": _cmd_bench_combine, "bench-index": _cmd_bench_index,
-                    "explain": _cmd_explain,
-                    "bench-serve": _cmd_bench_serve,
-                    "train-head": _cmd_train_head, "tune": _cmd_tune, "regenerate": _cmd_regenerate,
-                    "profile": _cmd_profile, "head-vocab": _cmd_head_vocab}
+                    "bench-serve": _cmd_bench_serve, "explain": _cmd_explain, "train-head": _cmd_train_head,
+                    "tune": _cmd_tune, "regenerate": _cmd_regenerate, "profile": _cmd_profile,
+                    "head-vocab": _cmd_head_vocab}
         commands[args.command](args)
     except CastspecError as e:
         print(f"castspec: error: {e}", file=sys.stderr)
