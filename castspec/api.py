@@ -14,6 +14,7 @@ from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter, check_compatible
 from castspec.drafters.eagle_head import EagleHeadDrafter, load_eagle_head
 from castspec.drafters.ngram import NgramDrafter
+from castspec.drafters.suffix import SharedSuffixTrie, SuffixDrafter
 from castspec.drafters.with_ngram import NgramAugmentedDrafter
 from castspec.engine import StepEngine, StepStats, StopCondition, decode
 from castspec.errors import CastspecError
@@ -25,13 +26,14 @@ from castspec.target import Target
 
 METHODS = ("ar", "chain", "eagle2", "cast")
 COST_MODELS = ("online", "fixed")
-DRAFTERS = ("ngram",)
+DRAFTERS = ("ngram", "suffix")
+MODEL_FREE = DRAFTERS  # drafter identities that are not a model (priced by a lookup timer)
 
 
 def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
                 cost_table: CostTable | None = None, cast_c1: float = 4.0, cast_c2: float = 3.0,
                 cast_c3: float = 2.5, cast_r: int = 8, cast_max_depth: int = 8, cast_auto: bool = True,
-                cast_top_k: int = 8, cast_calibrate: bool = False, cast_payoff: bool | None = None
+                cast_top_k: int = 8, cast_calibrate: bool | None = False, cast_payoff: bool | None = None
                 ) -> Policy | None:
     if method == "cast":
         if cost_table is None:
@@ -39,7 +41,7 @@ def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int 
                                 "(make one with castspec profile), one saved under $CASTSPEC_HOME/costs, or "
                                 "--cost-model online (learns the costs as it decodes)")
         return CastPolicy(cost_table, cast_c1, cast_c2, cast_c3, cast_r, cast_max_depth, cast_top_k,
-                          auto=cast_auto, calibrate=cast_calibrate, payoff=cast_payoff)
+                          auto=cast_auto, calibrate=bool(cast_calibrate), payoff=cast_payoff)
     if method == "ar":
         return None
     if method == "chain":
@@ -49,10 +51,21 @@ def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int 
     raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def drafter_identity(draft_model=None, head_source: str | None = None) -> str:
+def drafter_identity(draft_model=None, head_source: str | None = None, model_free: str = "ngram") -> str:
     if head_source is not None:
         return f"eagle-head:{Path(head_source).name}"
-    return model_identity(draft_model) if draft_model is not None else "ngram"
+    return model_identity(draft_model) if draft_model is not None else model_free
+
+
+def model_free_drafter(name: str, suffix_depth: int = 16, shared: SharedSuffixTrie | None = None,
+                       share: bool = False, **ngram_sizes) -> Drafter:
+    """A model-free drafter by name: 'ngram' (n-gram sizes max_n, min_n) or 'suffix' (trie depth, optional
+    shared tree over earlier requests' outputs)."""
+    if name == "ngram":
+        return NgramDrafter(**ngram_sizes)
+    if name == "suffix":
+        return SuffixDrafter(suffix_depth, shared, share)
+    raise CastspecError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
 
 
 def find_cost_table(expect: dict, drafter: str) -> CostTable | None:
@@ -78,6 +91,7 @@ def probe_timers(target_model, drafter: Drafter):
 
     if isinstance(drafter, NgramAugmentedDrafter):
         drafter = drafter.primary
+    lookup = "suffix" if isinstance(drafter, SuffixDrafter) else "ngram"
 
     def target(b: int, c: int, n: int) -> float:
         return cost.time_forward(target_model, b, c, n, repeats=1, warmup=0)
@@ -90,7 +104,7 @@ def probe_timers(target_model, drafter: Drafter):
             return cost.time_forward(drafter.model, b, c, n, repeats=1, warmup=0)
     else:
         def draft(b: int, c: int, n: int) -> float:
-            return cost.time_ngram(n * b, c, repeats=1)
+            return cost.time_ngram(n * b, c, repeats=1, drafter=lookup)
     return target, draft
 
 
@@ -110,7 +124,7 @@ def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: Cos
     progress = None if log else _progress_line  # a caller with its own log gets the summary line only
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     key = setup_key(target_model)
-    model_free = drafter_id == "ngram" or drafter_id.startswith("eagle-head:")
+    model_free = drafter_id in MODEL_FREE or drafter_id.startswith("eagle-head:")
     meta = {"target": key, "draft": {"drafter": drafter_id, "model": drafter_id} if model_free else
             {"model": drafter_id}, "date": time.strftime("%Y-%m-%d %H:%M")}
     path = learned_path(castspec_home(), key, drafter_id)
@@ -234,6 +248,7 @@ class Engine:
     @staticmethod
     def check_options(method: str | None = None, draft: str | None = None, drafter: str | None = None,
                       head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
+                      with_suffix: bool = False, suffix_depth: int = 16, suffix_shared_tokens: int = 0,
                       **policy_options) -> None:
         """What `load` refuses before it loads anything (a server checks this before it starts replicas)."""
         method, drafter, _ = default_choice(method, draft, drafter, head)
@@ -241,9 +256,20 @@ class Engine:
             raise CastspecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         if sum(x is not None for x in (draft, drafter, head)) > 1:
             raise CastspecError("give one drafter: a draft model, an EAGLE head or --drafter, not several")
-        if with_ngram and draft is None and head is None:
-            raise CastspecError("with_ngram merges n-gram proposals into a draft model's or an EAGLE head's trees: "
-                                "give --draft or --head too (--drafter ngram alone is the n-gram drafter)")
+        for merged, flag in (("ngram", with_ngram), ("suffix", with_suffix)):
+            if flag and draft is None and head is None:
+                raise CastspecError(f"with_{merged} merges {merged} proposals into a draft model's or an EAGLE "
+                                    f"head's trees: give --draft or --head too (--drafter {merged} alone is the "
+                                    f"{merged} drafter)")
+        if with_ngram and with_suffix:
+            raise CastspecError("merge one model-free drafter into the trees: with_ngram or with_suffix, not both")
+        suffix_used = drafter == "suffix" or with_suffix
+        if suffix_shared_tokens and not suffix_used:
+            raise CastspecError("a shared suffix tree is kept by the suffix drafter: give --drafter suffix or "
+                                "--with-suffix")
+        if suffix_used:
+            SuffixDrafter(suffix_depth, SharedSuffixTrie(suffix_shared_tokens, suffix_depth)
+                          if suffix_shared_tokens else None)
         if cost_model not in COST_MODELS:
             raise CastspecError(f"unknown cost model {cost_model!r}; choose from {', '.join(COST_MODELS)}")
         if drafter is not None and drafter not in DRAFTERS:
@@ -256,11 +282,16 @@ class Engine:
     def load(cls, model: str, method: str | None = None, draft: str | None = None, drafter: str | None = None,
              dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
              head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
-             **policy_options) -> Engine:
+             with_suffix: bool = False, suffix_depth: int = 16, suffix_shared_tokens: int = 0,
+             share_by_default: bool = False, **policy_options) -> Engine:
         """A target by registry name, local directory or hub id, with a drafter and a tree policy. Given only
         the model it decodes with CAST over the n-gram drafter (over `draft` or `head` when given); the engine's
-        `choice` says in words what it chose."""
-        cls.check_options(method, draft, drafter, head, with_ngram, cost_model, **policy_options)
+        `choice` says in words what it chose. The suffix drafter (`drafter='suffix'`, or merged into a model
+        drafter with `with_suffix`) keeps a tree over earlier requests' outputs within `suffix_shared_tokens`
+        tokens (0: none), read by the requests that opt in (all of them with `share_by_default`); CAST
+        calibrates its scores unless `cast_calibrate` says otherwise."""
+        cls.check_options(method, draft, drafter, head, with_ngram, cost_model, with_suffix, suffix_depth,
+                          suffix_shared_tokens, **policy_options)
         method, drafter, choice = default_choice(method, draft, drafter, head)
         target_model, tokenizer = load_model(model, dtype, device)
         draft_model = None
@@ -271,13 +302,21 @@ class Engine:
         if method != "ar":
             if head is not None:
                 chosen = EagleHeadDrafter(load_eagle_head(head, target_model), target_model)
-            else:
-                chosen = DraftModelDrafter(draft_model) if draft_model is not None else NgramDrafter()
-            if with_ngram:
-                chosen = NgramAugmentedDrafter(chosen)
+            elif draft_model is not None:
+                chosen = DraftModelDrafter(draft_model)
+            shared = (SharedSuffixTrie(suffix_shared_tokens, suffix_depth) if suffix_shared_tokens else None)
+            model_free = model_free_drafter("suffix" if drafter == "suffix" or with_suffix else "ngram",
+                                            suffix_depth, shared, share_by_default and shared is not None)
+            if chosen is None:
+                chosen = model_free
+            elif with_ngram or with_suffix:
+                chosen = NgramAugmentedDrafter(chosen, model_free)
+        if method == "cast" and policy_options.get("cast_calibrate") is None:
+            policy_options["cast_calibrate"] = drafter == "suffix" or with_suffix
         table = None
         if method == "cast":
-            expect, drafter_id = setup_key(target_model), drafter_identity(draft_model, head)
+            expect = setup_key(target_model)
+            drafter_id = drafter_identity(draft_model, head, "suffix" if drafter == "suffix" else "ngram")
             table = (CostTable.load(cost_table, expect=expect, force=force_table) if cost_table
                      else find_cost_table(expect, drafter_id))
             if cost_model == "online":

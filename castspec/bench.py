@@ -22,6 +22,7 @@ from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
 from castspec.drafters.ngram import NgramDrafter
+from castspec.drafters.suffix import SharedSuffixTrie, SuffixDrafter
 from castspec.drafters.with_ngram import NgramAugmentedDrafter
 from castspec.errors import CastspecError
 from castspec.policies import Policy
@@ -40,9 +41,12 @@ HF_METHODS = ("hf-assisted", "hf-prompt-lookup")
 METHOD_OPTIONS = {"ar": (), "chain": ("chain_length",), "eagle2": ("top_k", "depth", "total_tokens"),
                   "cast": ("auto", "calibrate", "payoff", "online", "cast_c1", "cast_c2", "cast_c3", "cast_r",
                            "cast_max_depth", "cast_top_k")}
-ITEM_DRAFTERS = ("draft", "ngram", "head", "draft+ngram", "head+ngram")
-# method-item options that configure the drafter, not the policy: the n-gram sizes, wherever an n-gram index drafts
-DRAFTER_OPTIONS = {d: ("max_n", "min_n") for d in ITEM_DRAFTERS if d.endswith("ngram")}
+ITEM_DRAFTERS = ("draft", "ngram", "suffix", "head", "draft+ngram", "head+ngram", "draft+suffix", "head+suffix")
+# method-item options that configure the drafter, not the policy: the n-gram sizes wherever an n-gram index
+# drafts; the suffix tree's depth and its shared tree's token budget (shared=N: every prompt reads and adds to
+# one tree over the earlier prompts' outputs) wherever a suffix tree does
+DRAFTER_OPTIONS = {d: ("max_n", "min_n") if d.endswith("ngram") else ("depth", "shared")
+                   for d in ITEM_DRAFTERS if d.endswith(("ngram", "suffix"))}
 
 
 def _parse_item(item: str) -> MethodSpec:
@@ -72,12 +76,22 @@ def _parse_item(item: str) -> MethodSpec:
     if method in ("chain", "eagle2", "cast") and drafter is None:
         raise CastspecError(f"method item {item!r}: {method} needs a drafter, e.g. {method}:ngram or {method}:draft")
     spec = MethodSpec(item, method, drafter, options)
-    if drafter is not None and drafter.endswith("ngram"):
+    if drafter is not None and drafter.endswith(("ngram", "suffix")):
         try:
-            NgramDrafter(**drafter_options(spec))
+            model_free_from_spec(spec)
         except CastspecError as e:
             raise CastspecError(f"method item {item!r}: {e}") from e
     return spec
+
+
+def model_free_from_spec(spec: MethodSpec) -> Drafter:
+    """The item's model-free drafter (n-gram or suffix tree) from its options."""
+    options = drafter_options(spec)
+    if spec.drafter.endswith("ngram"):
+        return NgramDrafter(**options)
+    shared = int(options.get("shared", 0))
+    depth = int(options.get("depth", 16))
+    return SuffixDrafter(depth, SharedSuffixTrie(shared, depth) if shared else None, share=bool(shared))
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -104,7 +118,8 @@ def policy_options(spec: MethodSpec, costs=None) -> dict:
     if spec.method == "cast":
         options["cost_table"] = costs
         options["cast_auto"] = bool(options.pop("auto", 1))
-        options["cast_calibrate"] = bool(options.pop("calibrate", 0))
+        # count-based suffix scores are not acceptance probabilities: calibrated unless the item says otherwise
+        options["cast_calibrate"] = bool(options.pop("calibrate", int(spec.drafter.endswith("suffix"))))
         options.pop("online", None)  # chooses the cost table, which the caller passed in
         if "payoff" in options:
             options["cast_payoff"] = bool(options.pop("payoff"))
@@ -148,7 +163,7 @@ def _runners(target_model, tokenizer, draft_model, specs: list[MethodSpec], head
 
 def method_parts(spec: MethodSpec, target_model, draft_model=None, head=None) -> tuple[Drafter | None, Policy | None]:
     """The drafter and policy of one of our method items (None, None for AR)."""
-    model = (spec.drafter or "").removesuffix("+ngram")  # the model drafter, if the item drafts with one
+    model = (spec.drafter or "").removesuffix("+ngram").removesuffix("+suffix")  # the model drafter, if any
     given = {"draft": draft_model, "head": head}
     if spec.method != "ar" and model in given and given[model] is None:
         raise CastspecError(f"{spec.label} drafts with a {model}, and none was given (--{model} ...)")
@@ -158,14 +173,15 @@ def method_parts(spec: MethodSpec, target_model, draft_model=None, head=None) ->
             drafter = EagleHeadDrafter(head[0], target_model)
         elif spec.drafter.startswith("draft"):
             drafter = DraftModelDrafter(draft_model)
-        if spec.drafter.endswith("ngram"):
-            ngram = NgramDrafter(**drafter_options(spec))
-            drafter = ngram if drafter is None else NgramAugmentedDrafter(drafter, ngram)
+        if spec.drafter.endswith(("ngram", "suffix")):
+            lookup = model_free_from_spec(spec)
+            drafter = lookup if drafter is None else NgramAugmentedDrafter(drafter, lookup)
     costs = None
     if spec.method == "cast":
-        # the n-gram lookups cost microseconds: a merged drafter is priced by its model drafter's table
+        # the model-free lookups cost microseconds: a merged drafter is priced by its model drafter's table
         drafter_id = drafter_identity(draft_model if spec.drafter.startswith("draft") else None,
-                                      head[1] if spec.drafter.startswith("head") else None)
+                                      head[1] if spec.drafter.startswith("head") else None,
+                                      "suffix" if spec.drafter == "suffix" else "ngram")
         costs = find_cost_table(setup_key(target_model), drafter_id)
         online = spec.options.get("online", 1)
         if online:  # 1: as `castspec generate` does; 2: from a probe, as on an empty $CASTSPEC_HOME

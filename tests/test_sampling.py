@@ -26,6 +26,7 @@ from castspec.cast import CastPolicy
 from castspec.drafters.base import sampled_candidates
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
+from castspec.drafters.suffix import SuffixDrafter
 from castspec.engine import StopCondition, decode
 from castspec.errors import CastspecError
 from castspec.policies import ChainPolicy, Eagle2Policy
@@ -226,6 +227,9 @@ CASES = {
     "cast-t1.0-topp0.8-topk8": ("draft", lambda: CastPolicy(flat_costs(), 2.0, 2.0, 1.5),
                                 SamplingParams(1.0, top_p=0.8, top_k=8, seed=6), False),
     "eagle2-ngram-t0.5": ("ngram", lambda: Eagle2Policy(2, 3, 6), SamplingParams(0.5, seed=7), False),
+    "eagle2-suffix-t0.7": ("suffix", lambda: Eagle2Policy(3, 3, 8), SamplingParams(0.7, seed=12), False),
+    "cast-calibrated-suffix-t1.0-topk8": ("suffix", lambda: CastPolicy(flat_costs(), 2.0, 2.0, 1.5, calibrate=True),
+                                          SamplingParams(1.0, top_k=8, seed=13), False),
     "chain-sampled-t1.0": ("draft", lambda: ChainPolicy(3), SamplingParams(1.0, seed=8), True),
     "eagle2-sampled-t0.5-topk6": ("draft", lambda: Eagle2Policy(3, 3, 6), SamplingParams(0.5, top_k=6, seed=9),
                                   True),
@@ -235,7 +239,9 @@ CASES = {
 
 
 def make_drafter(kind, draft_model):
-    return None if kind is None else NgramDrafter() if kind == "ngram" else DraftModelDrafter(draft_model)
+    if kind in ("ngram", "suffix"):
+        return NgramDrafter() if kind == "ngram" else SuffixDrafter()
+    return None if kind is None else DraftModelDrafter(draft_model)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -243,7 +249,7 @@ def test_speculative_sampling_matches_plain_sampling(tiny_pair, case):
     target_model, draft_model = tiny_pair
     kind, policy, params, sampled = CASES[case]
     drafter = make_drafter(kind, draft_model)
-    prompt = REPETITIVE if kind == "ngram" else PROMPT
+    prompt = REPETITIVE if kind in ("ngram", "suffix") else PROMPT
     samples, accepted = engine_samples(target_model, drafter, policy() if policy else None, params, 2000, 2,
                                        sampled, prompt)
     assert (accepted > 0) == (drafter is not None)  # the speculative path really ran

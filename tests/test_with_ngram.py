@@ -14,6 +14,7 @@ from castspec.drafters.base import Candidates
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
 from castspec.drafters.ngram import NgramDrafter
+from castspec.drafters.suffix import SuffixDrafter
 from castspec.drafters.with_ngram import NgramAugmentedDrafter, merge_candidates
 from castspec.errors import CastspecError
 from castspec.policies import ChainPolicy, Eagle2Policy
@@ -36,13 +37,19 @@ def test_merge_keeps_each_token_once_with_its_larger_probability_best_first():
 
 def test_misuse_is_refused(smollm):
     model, _ = smollm
-    with pytest.raises(CastspecError, match="not into another n-gram drafter"):
+    with pytest.raises(CastspecError, match="not into another model-free drafter"):
         NgramAugmentedDrafter(NgramDrafter())
+    with pytest.raises(CastspecError, match="not into another model-free drafter"):
+        NgramAugmentedDrafter(SuffixDrafter(), NgramDrafter())
     merged = NgramAugmentedDrafter(DraftModelDrafter(model))
     with pytest.raises(CastspecError, match="proposes deterministically"):
         merged.sample_candidates(SamplingParams(temperature=0.8), torch.Generator())
     with pytest.raises(CastspecError, match="give --draft or --head too"):
         Engine.load("smollm2-135m", "eagle2", drafter="ngram", with_ngram=True)
+    with pytest.raises(CastspecError, match="give --draft or --head too"):
+        Engine.load("smollm2-135m", "eagle2", with_suffix=True)
+    with pytest.raises(CastspecError, match=r"drafts with a draft, and none was given \(--draft"):
+        _runners(model, None, None, parse_methods("cast:draft+suffix"))
     with pytest.raises(CastspecError, match=r"drafts with a head, and none was given \(--head"):
         _runners(model, None, None, parse_methods("cast:head+ngram"))
 

@@ -88,6 +88,19 @@ class Drafter(ABC):
     def add_rows(self, count: int) -> None:
         """`count` new rows join below the others, between steps; their next `begin` brings their whole prompt."""
 
+    @property
+    def can_share(self) -> bool:
+        """Whether `set_sharing` can turn sharing on (the drafter keeps a history shared between requests)."""
+        return False
+
+    def set_sharing(self, rows: list[int], share: list[bool]) -> None:
+        """Per-request opt-in, right after `add_rows`: rows whose flag is set read what earlier requests
+        produced and add their own output when they finish (a drafter with a shared history: the suffix drafter
+        with a shared tree)."""
+        if any(share):
+            raise CastspecError(f"the {self.name} drafter keeps no history shared between requests (the suffix "
+                                "drafter with a shared tree does: --drafter suffix --suffix-shared-tokens N)")
+
 
 def empty_candidates(top_k: int) -> Candidates:
     return Candidates(torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k))

@@ -1,7 +1,8 @@
-"""A model drafter (draft model or EAGLE head) with the n-gram drafter's proposals merged in.
+"""A model drafter (draft model or EAGLE head) with a model-free drafter's proposals (n-gram or suffix tree)
+merged in.
 
-Where the output copies its input (code rewritten from the prompt, quoted text), the n-gram index proposes the
-copied continuation at no cost, often further than a small drafter would trust its own guess; elsewhere it
+Where the output copies its input (code rewritten from the prompt, quoted text), the model-free index proposes
+the copied continuation at no cost, often further than a small drafter would trust its own guess; elsewhere it
 proposes nothing and the model drafter's tree is unchanged. Both drafters see every node of the tree: the
 model drafter runs its forward over the whole frontier, n-gram nodes included, so their subtrees get its
 proposals too. A token both propose appears once, with the larger of the two probabilities."""
@@ -12,6 +13,7 @@ import torch
 
 from castspec.drafters.base import Candidates, Drafter
 from castspec.drafters.ngram import NgramDrafter
+from castspec.drafters.suffix import SuffixDrafter
 from castspec.errors import CastspecError
 from castspec.tree import TreePool
 
@@ -36,19 +38,20 @@ def merge_candidates(model: Candidates, ngram: Candidates) -> Candidates:
 
 
 class NgramAugmentedDrafter(Drafter):
-    """`primary`'s candidates with `ngram`'s merged in; deterministic (top-k) drafting only."""
+    """`primary`'s candidates with `ngram`'s (an n-gram or a suffix drafter) merged in; deterministic (top-k)
+    drafting only."""
 
-    def __init__(self, primary: Drafter, ngram: NgramDrafter | None = None) -> None:
-        if isinstance(primary, NgramDrafter | NgramAugmentedDrafter):
-            raise CastspecError("the n-gram drafter is merged into a model drafter (draft model or EAGLE head), "
-                                "not into another n-gram drafter")
+    def __init__(self, primary: Drafter, ngram: NgramDrafter | SuffixDrafter | None = None) -> None:
+        if isinstance(primary, NgramDrafter | SuffixDrafter | NgramAugmentedDrafter):
+            raise CastspecError("a model-free drafter (n-gram, suffix) is merged into a model drafter (draft model "
+                                "or EAGLE head), not into another model-free drafter")
         self.primary, self.ngram = primary, ngram or NgramDrafter()
-        self.name = f"{primary.name}+ngram"
+        self.name = f"{primary.name}+{self.ngram.name}"
         self.feature_layers = primary.feature_layers
 
     def sample_candidates(self, params, generator) -> None:
         if params is not None and not params.greedy:
-            raise CastspecError("a drafter with n-gram proposals merged in proposes deterministically (its "
+            raise CastspecError(f"a drafter with {self.ngram.name} proposals merged in proposes deterministically (its "
                                 "candidates are not draws from one distribution); sampled drafting needs a draft "
                                 "model alone")
         self.primary.sample_candidates(None, None)
@@ -80,3 +83,10 @@ class NgramAugmentedDrafter(Drafter):
     def add_rows(self, count: int) -> None:
         self.primary.add_rows(count)
         self.ngram.add_rows(count)
+
+    @property
+    def can_share(self) -> bool:
+        return self.ngram.can_share
+
+    def set_sharing(self, rows: list[int], share: list[bool]) -> None:
+        self.ngram.set_sharing(rows, share)

@@ -66,7 +66,7 @@ class Server:
         top_k = 0 if body.top_k == -1 else body.top_k
         try:
             return RequestParams(max_tokens=max_tokens, stop=body.stop_strings(), temperature=body.temperature,
-                                 top_p=body.top_p, top_k=top_k, seed=body.seed)
+                                 top_p=body.top_p, top_k=top_k, seed=body.seed, share_history=body.share_history)
         except RequestError as e:
             raise APIError(400, str(e), e.param) from None
 

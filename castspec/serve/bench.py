@@ -89,10 +89,12 @@ def server_args(spec: MethodSpec, draft: str | None, head: str | None) -> list[s
         if not head:
             raise CastspecError(f"{spec.label} needs --head")
         args += ["--head", head]
-    elif drafter == "ngram":
-        args += ["--drafter", "ngram"]
+    elif drafter in ("ngram", "suffix"):
+        args += ["--drafter", drafter]
     if drafter.endswith("+ngram"):
         args.append("--with-ngram")
+    if drafter.endswith("+suffix"):
+        args.append("--with-suffix")
     for key, value in spec.options.items():
         if key == "auto":
             args += ["--cast-mode", "auto" if value else "paper"]

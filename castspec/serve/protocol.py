@@ -39,6 +39,9 @@ class _SamplingRequest(BaseModel):
     top_p: float = 1.0
     top_k: int = 0  # vLLM's extension: 0 (or -1) means no cut
     seed: int | None = None
+    # castspec's extension: read earlier requests' outputs from the server's shared suffix tree and add this
+    # one's (a server started with --drafter suffix --suffix-shared-tokens N)
+    share_history: bool | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
