@@ -16,7 +16,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from castspec.api import Engine, drafter_identity, find_cost_table, make_policy, online_cost_model
+from castspec.api import SUFFIX_MAX_DEPTH, Engine, drafter_identity, find_cost_table, make_policy, online_cost_model
 from castspec.cost import device_name, setup_key
 from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter
@@ -120,6 +120,8 @@ def policy_options(spec: MethodSpec, costs=None) -> dict:
         options["cast_auto"] = bool(options.pop("auto", 1))
         # count-based suffix scores are not acceptance probabilities: calibrated unless the item says otherwise
         options["cast_calibrate"] = bool(options.pop("calibrate", int(spec.drafter.endswith("suffix"))))
+        if spec.drafter == "suffix":
+            options.setdefault("cast_max_depth", SUFFIX_MAX_DEPTH)
         options.pop("online", None)  # chooses the cost table, which the caller passed in
         if "payoff" in options:
             options["cast_payoff"] = bool(options.pop("payoff"))

@@ -43,7 +43,9 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
                    help="cast: draft only while drafting has paid lately, priced by the cost table (default: on in "
                         "auto mode or with calibration, off in paper mode)")
     g.add_argument("--cast-r", type=int, default=8, help="cast: depth-ratio FIFO size R")
-    g.add_argument("--cast-max-depth", type=int, default=8, help="cast: hard maximum depth")
+    g.add_argument("--cast-max-depth", type=int,
+                   help="cast: hard maximum depth (default 8; 24 over the suffix drafter, whose layers cost "
+                        "microseconds)")
     g.add_argument("--trace", help="write each step's tree decisions to this JSONL file")
 
 

@@ -191,15 +191,15 @@ class StepEngine:
             raise RequestError(f"the waiting queue is full ({self.max_waiting} requests)", "queue")
         sampling = params.sampling
         stop = StopCondition(params.max_tokens, self.eos_ids, list(params.stop), self.tokenizer)
-        if params.share_history and not (self.drafter is not None and self.drafter.can_share):
-            raise RequestError("share_history needs a drafter with a shared history: start the server with "
-                               "--drafter suffix --suffix-shared-tokens N", "share_history")
         self.add_sequence(request_id, list(prompt_ids), stop, sampling,
                           None if sampling.greedy else sampling.generator(), params.share_history)
         return request_id
 
     def check_request(self, prompt_ids: list[int], params: RequestParams) -> None:
         """Raise RequestError unless the request could run on this model (reads nothing that steps change)."""
+        if params.share_history and not (self.drafter is not None and self.drafter.can_share):
+            raise RequestError("share_history needs a drafter with a shared history: start the server with "
+                               "--drafter suffix --suffix-shared-tokens N", "share_history")
         if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) for t in prompt_ids):
             raise RequestError("the prompt must be a non-empty list of token ids", "prompt")
         vocab = self.target.model.config.vocab_size

@@ -43,3 +43,20 @@ def test_bad_items_are_refused_with_the_reason(text, says):
     with pytest.raises(CastspecError) as error:
         parse_methods(text)
     assert says in str(error.value)
+
+
+def test_suffix_items_take_a_depth_and_a_shared_tree_and_calibrate_by_default():
+    from castspec.bench import model_free_from_spec
+
+    (spec,) = parse_methods("cast:suffix:depth=8,shared=5000,auto=0")
+    assert drafter_options(spec) == {"depth": 8, "shared": 5000}
+    options = policy_options(spec, costs="table")
+    assert options["cast_calibrate"] is True and options["cast_max_depth"] == 24
+    drafter = model_free_from_spec(spec)
+    assert drafter.max_depth == 8 and drafter.shared.max_tokens == 5000 and drafter.share
+    (off,) = parse_methods("cast:head+suffix:calibrate=0")
+    assert policy_options(off, costs="t")["cast_calibrate"] is False and "cast_max_depth" not in policy_options(off)
+    with pytest.raises(CastspecError, match="depth must be an integer"):
+        parse_methods("chain:suffix:depth=0")
+    with pytest.raises(CastspecError, match="'min_n' is not an option"):
+        parse_methods("chain:suffix:min_n=1")
