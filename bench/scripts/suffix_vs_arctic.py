@@ -22,11 +22,10 @@ from pathlib import Path
 
 from arctic_inference.suffix_decoding.cache import SuffixDecodingCache
 
-from castspec.api import encode_text, make_policy
-from castspec.cost import device_name, setup_key
+from castspec.api import encode_text, make_policy, online_cost_model
+from castspec.cost import device_name
 from castspec.drafters.suffix import SuffixDrafter
-from castspec.models import castspec_home, load_model
-from castspec.online_cost import OnlineCostTable, learned_path
+from castspec.models import load_model
 from castspec.policies import ChainPolicy
 from castspec.prompts import load_prompt_set
 from castspec.replay import replay
@@ -34,9 +33,8 @@ from castspec.replay import replay
 out, bench_files = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
 model_name = json.loads(bench_files[0].read_text())["meta"]["settings"]["model"]
 model, tokenizer = load_model(model_name, "bf16")
-key = setup_key(model)
-costs = OnlineCostTable.load_learned(learned_path(castspec_home(), key, "suffix"),
-                                     {"target": key, "draft": {"drafter": "suffix", "model": "suffix"}})
+# what this machine learned for the suffix drafter (a probe of a few forwards where nothing is saved yet)
+costs = online_cost_model(model, SuffixDrafter(), "suffix")
 rows_by_id = {row["id"]: row for name in ("mtbench", "humaneval", "gsm8k", "repetitive")
               for row in load_prompt_set(name)}
 
@@ -73,6 +71,9 @@ results = []
 for bench_file in bench_files:
     bench = json.loads(bench_file.read_text())
     max_new = bench["meta"]["max_new_tokens"]
+    # one CAST policy over the whole file, as the benchmark keeps one engine per method: its calibration of the
+    # suffix scores carries from prompt to prompt
+    cast = make_policy("cast", cost_table=costs, cast_calibrate=True, cast_max_depth=24)
     for row in (r for r in bench["rows"] if r["method"] == "ar"):
         prompt = encode_text(tokenizer, messages=rows_by_id[row["prompt_id"]]["messages"])
         reference = row["output_ids"]
@@ -80,9 +81,7 @@ for bench_file in bench_files:
         for label, tree in (("arctic chain", False), ("arctic tree", True)):
             tokens, steps, verified = arctic_replay(prompt, reference, max_new, tree)
             entry[label] = {"tau": (tokens - 1) / max(1, steps), "verified_per_step": verified / max(1, steps)}
-        for label, policy in (("castspec chain 16", ChainPolicy(16)),
-                              ("castspec cast", make_policy("cast", cost_table=costs, cast_calibrate=True,
-                                                            cast_max_depth=24))):
+        for label, policy in (("castspec chain 16", ChainPolicy(16)), ("castspec cast", cast)):
             result = replay(SuffixDrafter(), policy, prompt, reference, costs, max_new)
             steps = max(1, len(result.accepted))
             entry[label] = {"tau": (min(sum(result.accepted), max_new) - 1) / steps,
