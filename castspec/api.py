@@ -27,6 +27,7 @@ from castspec.target import Target
 METHODS = ("ar", "chain", "eagle2", "cast")
 COST_MODELS = ("online", "fixed")
 DRAFTERS = ("ngram", "suffix")
+CAST_MAX_DEPTH = 8
 # CAST's depth cap over the suffix drafter alone: a layer costs microseconds, and copied spans run long
 SUFFIX_MAX_DEPTH = 24
 MODEL_FREE = DRAFTERS  # drafter identities that are not a model (priced by a lookup timer)
@@ -34,7 +35,7 @@ MODEL_FREE = DRAFTERS  # drafter identities that are not a model (priced by a lo
 
 def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
                 cost_table: CostTable | None = None, cast_c1: float = 4.0, cast_c2: float = 3.0,
-                cast_c3: float = 2.5, cast_r: int = 8, cast_max_depth: int | None = 8, cast_auto: bool = True,
+                cast_c3: float = 2.5, cast_r: int = 8, cast_max_depth: int | None = None, cast_auto: bool = True,
                 cast_top_k: int = 8, cast_calibrate: bool | None = False, cast_payoff: bool | None = None
                 ) -> Policy | None:
     if method == "cast":
@@ -42,7 +43,8 @@ def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int 
             raise CastspecError("method 'cast' with a fixed cost model needs a cost table: --cost-table TABLE.json "
                                 "(make one with castspec profile), one saved under $CASTSPEC_HOME/costs, or "
                                 "--cost-model online (learns the costs as it decodes)")
-        return CastPolicy(cost_table, cast_c1, cast_c2, cast_c3, cast_r, cast_max_depth or 8, cast_top_k,
+        max_depth = CAST_MAX_DEPTH if cast_max_depth is None else cast_max_depth
+        return CastPolicy(cost_table, cast_c1, cast_c2, cast_c3, cast_r, max_depth, cast_top_k,
                           auto=cast_auto, calibrate=bool(cast_calibrate), payoff=cast_payoff)
     if method == "ar":
         return None
@@ -314,11 +316,10 @@ class Engine:
             elif with_ngram or with_suffix:
                 chosen = NgramAugmentedDrafter(chosen, model_free)
         if method == "cast":
-            over_suffix = drafter == "suffix" or with_suffix
             if policy_options.get("cast_calibrate") is None:
-                policy_options["cast_calibrate"] = over_suffix
-            if policy_options.get("cast_max_depth") is None:
-                policy_options["cast_max_depth"] = SUFFIX_MAX_DEPTH if drafter == "suffix" else 8
+                policy_options["cast_calibrate"] = drafter == "suffix" or with_suffix
+            if policy_options.get("cast_max_depth") is None and drafter == "suffix":
+                policy_options["cast_max_depth"] = SUFFIX_MAX_DEPTH
         table = None
         if method == "cast":
             expect = setup_key(target_model)

@@ -5,7 +5,7 @@ length) is absorbed once (what a prefill step adds); then per decoding step the 
 tokens and drafts a tree of 8 layers of up to 8 nodes (the shape CAST grows on this CPU); both are timed and
 set beside one target decode forward (1 token, and a 16-token tree) at the same context, and the trie's size.
 
-Run: .venv/bin/python bench/scripts/suffix_cost.py qwen2.5-coder-1.5b bench/ngram/suffix-cost-qwen1.5b-bf16
+Run: .venv/bin/python bench/scripts/suffix_cost.py qwen2.5-coder-1.5b bench/suffix/cost-per-step-qwen1.5b-bf16
 (writes NAME.json and NAME.md)"""
 
 import json
