@@ -6,7 +6,7 @@ engine each; the shared one keeps a tree over every earlier output):
   pass 3: pass 1's prompts again (repeated traffic: their own outputs are in the tree).
 Reports tokens/s and tau per pass and engine, and whether the outputs agree.
 
-Run: .venv/bin/python bench/scripts/suffix_shared.py qwen2.5-coder-1.5b 3 128 bench/ngram/suffix-shared-qwen1.5b-bf16"""
+Run: .venv/bin/python bench/scripts/suffix_shared.py qwen2.5-coder-1.5b 2 96 bench/suffix/shared-tree-qwen1.5b-bf16"""
 
 import json
 import sys
@@ -34,7 +34,8 @@ passes = {"1: first rows": [by_family[f][i] for i in range(per_family) for f in 
 plain = Engine.load(model_name, "cast", drafter="suffix")
 # the same target and the same (online) cost model; only the drafter keeps a shared tree
 shared = Engine(plain.model, plain.tokenizer, SuffixDrafter(shared=SharedSuffixTrie(200_000), share=True),
-                make_policy("cast", cost_table=plain.policy.costs, cast_calibrate=True))
+                make_policy("cast", cost_table=plain.policy.costs, cast_calibrate=True,
+                            cast_max_depth=plain.policy.max_depth))
 engines = {"no shared tree": plain, "shared tree": shared}
 for engine in engines.values():  # warm-up outside the workload; its output must not seed the shared tree
     engine.generate(messages=[{"role": "user", "content": "Say hello."}], max_new_tokens=8)
