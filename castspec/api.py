@@ -3,34 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from castspec.cast import CastPolicy
-from castspec.cost import CostTable, model_identity, setup_key
+from castspec.costs.probe import MODEL_FREE, find_cost_table, online_cost_model
+from castspec.costs.table import CostTable, model_identity, setup_key
+from castspec.decode.engine import StepEngine, StepStats, StopCondition, decode
+from castspec.decode.sampling import SamplingParams
+from castspec.decode.target import Target
 from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter, check_compatible
 from castspec.drafters.eagle_head import EagleHeadDrafter, load_eagle_head
 from castspec.drafters.ngram import NgramDrafter
 from castspec.drafters.suffix import SharedSuffixTrie, SuffixDrafter
 from castspec.drafters.with_ngram import NgramAugmentedDrafter
-from castspec.engine import StepEngine, StepStats, StopCondition, decode
 from castspec.errors import CastspecError
-from castspec.models import castspec_home, load_model
-from castspec.online_cost import OnlineCostTable, learned_path
-from castspec.policies import ChainPolicy, Eagle2Policy, Policy
-from castspec.sampling import SamplingParams
-from castspec.target import Target
+from castspec.models import load_model
+from castspec.policies.base import ChainPolicy, Eagle2Policy, Policy
+from castspec.policies.cast import CastPolicy
 
 METHODS = ("ar", "chain", "eagle2", "cast")
 COST_MODELS = ("online", "fixed")
-DRAFTERS = ("ngram", "suffix")
+DRAFTERS = MODEL_FREE
 CAST_MAX_DEPTH = 8
 # CAST's depth cap over the suffix drafter alone: a layer costs microseconds, and copied spans run long
 SUFFIX_MAX_DEPTH = 24
-MODEL_FREE = DRAFTERS  # drafter identities that are not a model (priced by a lookup timer)
 
 
 def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
@@ -70,92 +68,6 @@ def model_free_drafter(name: str, suffix_depth: int = 16, shared: SharedSuffixTr
     if name == "suffix":
         return SuffixDrafter(suffix_depth, shared, share)
     raise CastspecError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
-
-
-def find_cost_table(expect: dict, drafter: str) -> CostTable | None:
-    """A table under $CASTSPEC_HOME/costs measured on exactly this setup and drafter, if there is one; of
-    several, the one measured at the most batch sizes (so that batched decoding reads measured costs)."""
-    found = []
-    for path in sorted((castspec_home() / "costs").glob("*.json")):
-        try:
-            table = CostTable.load(path, expect=expect)
-        except CastspecError:
-            continue
-        if table.meta.get("online"):  # a learned table is continued by the online model, not read as fixed
-            continue
-        if table.meta.get("draft", {}).get("model", table.meta.get("draft", {}).get("drafter")) == drafter:
-            found.append(table)
-    return max(found, key=lambda t: (len(t.target.batch_sizes), max(t.target.batch_sizes)), default=None)
-
-
-def probe_timers(target_model, drafter: Drafter):
-    """One-forward timers of the target and of the drafter as CAST prices it (a merged drafter by its model
-    drafter: the n-gram lookups cost microseconds beside a forward)."""
-    from castspec import cost
-
-    if isinstance(drafter, NgramAugmentedDrafter):
-        drafter = drafter.primary
-    lookup = "suffix" if isinstance(drafter, SuffixDrafter) else "ngram"
-
-    def target(b: int, c: int, n: int) -> float:
-        return cost.time_forward(target_model, b, c, n, repeats=1, warmup=0)
-
-    if isinstance(drafter, EagleHeadDrafter):  # first: a head drafter is a kind of draft-model drafter
-        def draft(b: int, c: int, n: int) -> float:
-            return cost.time_head(drafter.head, target_model, b, c, n, repeats=1, warmup=0)
-    elif isinstance(drafter, DraftModelDrafter):
-        def draft(b: int, c: int, n: int) -> float:
-            return cost.time_forward(drafter.model, b, c, n, repeats=1, warmup=0)
-    else:
-        def draft(b: int, c: int, n: int) -> float:
-            return cost.time_ngram(n * b, c, repeats=1, drafter=lookup)
-    return target, draft
-
-
-def _progress_line(message: str) -> None:
-    print(f"\r{message}", end="", file=sys.stderr, flush=True)
-
-
-def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: CostTable | None = None,
-                      fresh: bool = False, log=None, chosen_seed: bool = False,
-                      save: bool = True) -> OnlineCostTable:
-    """CAST's cost model when it learns: continued from what an earlier run on this setup saved under
-    $CASTSPEC_HOME/costs, else started from a profiled table (`seed`), else from a probe of a few forwards
-    (seconds). `fresh`: from a probe whatever is saved, as on an empty $CASTSPEC_HOME (what it learns is saved
-    as usual, over any earlier learned table of this setup). `chosen_seed`: the caller named `seed` itself, so
-    it starts from it even where a learned table is saved; `save=False` keeps what it learns out of
-    $CASTSPEC_HOME (a table forced from another setup must not become this setup's)."""
-    progress = None if log else _progress_line  # a caller with its own log gets the summary line only
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    key = setup_key(target_model)
-    model_free = drafter_id in MODEL_FREE or drafter_id.startswith("eagle-head:")
-    meta = {"target": key, "draft": {"drafter": drafter_id, "model": drafter_id} if model_free else
-            {"model": drafter_id}, "date": time.strftime("%Y-%m-%d %H:%M")}
-    path = learned_path(castspec_home(), key, drafter_id)
-    if not fresh and not chosen_seed and path.exists():
-        try:
-            table = OnlineCostTable.load_learned(path, meta)
-            log(f"cost model: online, going on from {table.target_curve.observations} timed forwards saved in "
-                f"{path}")
-            return table
-        except CastspecError as e:
-            log(f"cost model: {e}; starting anew")
-    table = OnlineCostTable(meta, path=path if save else None)
-    if seed is not None and seed.draft is not None and not fresh:
-        table.target_curve.seed_from(seed.target)
-        table.draft_curve.seed_from(seed.draft)
-        log("cost model: online, starting from the " + ("given table" if chosen_seed else
-                                                        "profiled table for this setup")
-            + ("" if save else " (what it learns is not saved)"))
-        return table
-    start = time.perf_counter()
-    target_timer, draft_timer = probe_timers(target_model, drafter)
-    table.probe(target_timer, draft_timer, progress=progress)
-    if progress is not None:
-        print(file=sys.stderr)
-    log(f"cost model: online, probed in {time.perf_counter() - start:.1f} s (no table for this setup yet); "
-        "every step refines it")
-    return table
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:

@@ -9,13 +9,13 @@ from synthetic import flat_costs
 from test_exactness import PROMPTS
 
 from castspec import Engine
-from castspec.cast import CastPolicy
+from castspec.decode.engine import StopCondition, decode
+from castspec.decode.target import Target
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
-from castspec.engine import StopCondition, decode
 from castspec.errors import CastspecError
-from castspec.policies import ChainPolicy, Eagle2Policy
-from castspec.target import Target
+from castspec.policies.base import ChainPolicy, Eagle2Policy
+from castspec.policies.cast import CastPolicy
 
 LONG = ("Here is a long piece of context that the model has to read before it can answer. " * 6
         + "In short, the point is that")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from castspec.bench import combine_runs, wide_table
+from castspec.bench.runner import combine_runs, wide_table
 from castspec.cli import main
 from castspec.errors import CastspecError
 

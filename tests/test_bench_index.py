@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from castspec.bench_index import SUPERSEDED, collect, render, write_index
+from castspec.bench.index import SUPERSEDED, collect, render, write_index
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from test_drafting import ScriptedDrafter
 
-from castspec.cast import CastPolicy, select_max_valid_index
-from castspec.cost import CostGrid, CostTable
-from castspec.drafting import grow_tree
+from castspec.costs.table import CostGrid, CostTable
+from castspec.decode.drafting import grow_tree
 from castspec.errors import CastspecError
-from castspec.policies import Eagle2Policy, StepContext
+from castspec.policies.base import Eagle2Policy, StepContext
+from castspec.policies.cast import CastPolicy, select_max_valid_index
 
 
 def table(target_per_token: float, draft_per_token: float, *, fixed: float = 1.0, draft_fixed: float = 0.0,
@@ -161,7 +161,7 @@ def test_auto_mode_skips_drafting_where_even_perfect_acceptance_cannot_pay():
 # ---- acceptance calibration -------------------------------------------------------------------------------------
 
 def test_calibration_starts_at_the_drafters_word_and_learns_the_acceptance_rate():
-    from castspec.cast import AcceptanceCalibration
+    from castspec.policies.cast import AcceptanceCalibration
 
     calibration = AcceptanceCalibration()
     scores = torch.tensor([1.0, 0.8, 0.45, 0.1, 0.0])
@@ -178,7 +178,7 @@ def test_calibration_starts_at_the_drafters_word_and_learns_the_acceptance_rate(
 
 
 def test_calibrated_utilities_fall_along_a_chain_of_confident_guesses():
-    from castspec.tree import DraftTree
+    from castspec.decode.tree import DraftTree
 
     policy = CastPolicy(table(0.05, 0.01), auto=True, calibrate=True)
     one = torch.tensor([[1.0]])
@@ -198,7 +198,7 @@ def test_calibrated_utilities_fall_along_a_chain_of_confident_guesses():
 
 
 def test_calibration_fit_never_inverts_the_order_of_scores():
-    from castspec.cast import AcceptanceCalibration
+    from castspec.policies.cast import AcceptanceCalibration
 
     calibration = AcceptanceCalibration(prior=0.0)
     rng = random.Random(0)
@@ -211,7 +211,7 @@ def test_calibration_fit_never_inverts_the_order_of_scores():
 
 
 def test_weighted_isotonic_pools_by_weight():
-    from castspec.cost import isotonic
+    from castspec.costs.table import isotonic
 
     assert isotonic([1.0, 0.0], [3.0, 1.0]) == [0.75, 0.75]
     assert isotonic([0.0, 1.0, 0.5], [1.0, 1.0, 1.0]) == [0.0, 0.75, 0.75]
@@ -232,7 +232,7 @@ def test_a_calibrated_cast_verifies_less_from_a_drafter_that_overpromises():
 # ---- drafting payoff (calibrated CAST) ---------------------------------------------------------------------------
 
 def test_drafting_payoff_stops_a_losing_drafter_and_tries_it_again_now_and_then():
-    from castspec.cast import DraftingPayoff
+    from castspec.policies.cast import DraftingPayoff
 
     payoff = DraftingPayoff(prior_gain=0.5, prior=2.0, decay=0.99)
     assert payoff.expected == 0.5  # untried: optimistic
@@ -261,7 +261,7 @@ def test_drafting_payoff_stops_a_losing_drafter_and_tries_it_again_now_and_then(
 
 def _drafting_steps(policy: CastPolicy, accepts_all: bool, steps: int = 150) -> int:
     """Steps on which `policy` drafts, when the target accepts every drafted chain (or nothing)."""
-    from castspec.tree import DraftTree
+    from castspec.decode.tree import DraftTree
 
     drafted = 0
     for _ in range(steps):

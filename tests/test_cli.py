@@ -236,7 +236,7 @@ def test_demo_probes_costs_once_then_goes_on_from_what_it_learned(tmp_path, monk
 def test_training_data_from_several_sources(tmp_path, capsys):
     """--data A,B trains on both files' conversations (--conversations caps each, in the order named); the feature
     cache is named after both; a missing source or an empty one between commas is one clear line."""
-    from castspec.cli import _conversations, _data_name
+    from castspec.cli.heads import _conversations, _data_name
 
     def write(name: str, count: int) -> str:
         file = tmp_path / f"{name}.jsonl"
@@ -285,7 +285,7 @@ def test_explain_draws_the_largest_step_and_the_generation(tmp_path, smollm, smo
     from synthetic import flat_costs
 
     from castspec.api import Engine
-    from castspec.explain import generate_explained, pick_step
+    from castspec.bench.explain import generate_explained, pick_step
 
     table = tmp_path / "flat.json"
     flat_costs().save(table)

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from castspec.cli import main
-from castspec.cost import CostGrid, CostTable, held_out_points
+from castspec.costs.profile import held_out_points
+from castspec.costs.table import CostGrid, CostTable
 from castspec.errors import CastspecError
 
 
@@ -104,7 +105,7 @@ def test_held_out_points_avoid_the_grid():
 def test_quick_profile_of_smollm_gives_a_loadable_table(tmp_path, capsys):
     out = tmp_path / "smollm.json"
     assert main(["profile", "--model", "smollm2-135m", "--drafter", "ngram", "--quick", "--out", str(out)]) == 0
-    from castspec.cost import setup_key
+    from castspec.costs.table import setup_key
     from castspec.models import load_model
 
     model, _ = load_model("smollm2-135m", "bf16")
@@ -119,7 +120,7 @@ def test_quick_profile_of_smollm_gives_a_loadable_table(tmp_path, capsys):
 
 
 def test_profile_passes_interleave_timers_in_random_orders_and_keep_medians():
-    from castspec.cost import measure_grids
+    from castspec.costs.profile import measure_grids
 
     calls = []
 
@@ -146,14 +147,14 @@ def test_profile_passes_interleave_timers_in_random_orders_and_keep_medians():
 
 
 def test_profile_needs_a_pass():
-    from castspec.cost import measure_grids
+    from castspec.costs.profile import measure_grids
 
     with pytest.raises(CastspecError, match="at least one pass"):
         measure_grids({"target": lambda b, c, n: 0.1}, [1], [128], [1], passes=0)
 
 
 def test_isotonic_fit_averages_an_outlier_instead_of_carrying_it():
-    from castspec.cost import isotonic_plane
+    from castspec.costs.table import isotonic_plane
 
     measured = [[1.0, 10.0, 3.0, 4.0], [2.0, 3.0, 4.0, 5.0], [2.5, 3.5, 4.5, 6.0]]
     fit = isotonic_plane(measured)

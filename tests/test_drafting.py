@@ -4,9 +4,9 @@ import itertools
 
 import torch
 
+from castspec.decode.drafting import grow_tree
 from castspec.drafters.base import Candidates, Drafter, top_candidates
-from castspec.drafting import grow_tree
-from castspec.policies import ChainPolicy, Eagle2Policy, StepContext
+from castspec.policies.base import ChainPolicy, Eagle2Policy, StepContext
 
 V = 30
 

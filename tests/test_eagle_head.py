@@ -12,7 +12,7 @@ import torch
 from synthetic import flat_costs
 
 from castspec import Engine
-from castspec.cast import CastPolicy
+from castspec.decode.drafting import _add_layers, _Pool
 from castspec.drafters.eagle_head import (
     Eagle3Head,
     EagleHead,
@@ -21,9 +21,9 @@ from castspec.drafters.eagle_head import (
     load_eagle_head,
     save_eagle_head,
 )
-from castspec.drafting import _add_layers, _Pool
 from castspec.errors import CastspecError
-from castspec.policies import ChainPolicy, Eagle2Policy
+from castspec.policies.base import ChainPolicy, Eagle2Policy
+from castspec.policies.cast import CastPolicy
 
 
 def _write(directory, state: dict, config: dict, torch_bin: bool = False) -> None:
@@ -208,7 +208,7 @@ def test_eagle3_cached_tree_forwards_equal_an_incremental_run(smollm, eagle3_che
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     pools, frontiers, expected = [], [], []
     for row, prompt in enumerate(prompts):
-        from castspec import kv
+        from castspec.decode import kv
 
         cache = kv.new_cache(head)
         tokens = prompt[1:] + [7]
@@ -327,7 +327,7 @@ def test_head_with_a_draft_vocabulary_saves_loads_and_stays_lossless(smollm, smo
 
 
 def test_widened_vocabulary_keeps_the_old_tokens_and_adds_the_most_frequent_answers():
-    from castspec.train_head import TrainingSequence, widened_vocabulary
+    from castspec.heads.train import TrainingSequence, widened_vocabulary
 
     data = [TrainingSequence([5, 7, 7, 9, 9, 9, 2], [False, True, True, True, True, True, False])]
     # 9 (3 answer tokens) before 7 (2); 5 and 2 are prompt tokens and do not count; 1 is kept from before
@@ -344,9 +344,9 @@ def test_widened_head_drafts_more_tokens_and_stays_lossless(smollm, smollm_refer
     with its weights unchanged, decodes exactly HF greedy's output, and the command refuses what it cannot do."""
     import copy
 
+    from castspec.bench.prompts import load_sharegpt
     from castspec.cli import main
-    from castspec.prompts import load_sharegpt
-    from castspec.train_head import widen_head
+    from castspec.heads.train import widen_head
 
     model, tokenizer = smollm
     head = copy.deepcopy(random_head)

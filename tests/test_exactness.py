@@ -8,7 +8,7 @@ from synthetic import flat_costs
 from castspec import Engine
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
-from castspec.policies import ChainPolicy, Eagle2Policy
+from castspec.policies.base import ChainPolicy, Eagle2Policy
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -134,7 +134,7 @@ def test_prompt_close_to_the_context_window(smollm, smollm_reference):
 
 @pytest.mark.parametrize("case", [0, 2, 5, 7, 10, 11, 16, 19])
 def test_cast_matches_hf_greedy_with_every_drafter(smollm, smollm_reference, case):
-    from castspec.cast import CastPolicy
+    from castspec.policies.cast import CastPolicy
 
     model, tokenizer = smollm
     engines_ = {
@@ -182,10 +182,10 @@ def test_cast_with_the_online_cost_model_matches_hf_greedy_with_every_drafter(sm
                                                                               case, tmp_path, monkeypatch):
     """The online cost model only changes which trees CAST picks: the output stays the target's own, for every
     drafter, while the model learns from the step timings (probed first, as on an empty $CASTSPEC_HOME)."""
-    from castspec.api import online_cost_model
-    from castspec.cast import CastPolicy
+    from castspec.costs.probe import online_cost_model
     from castspec.drafters.eagle_head import EagleHeadDrafter
     from castspec.drafters.with_ngram import NgramAugmentedDrafter
+    from castspec.policies.cast import CastPolicy
 
     monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))
     model, tokenizer = smollm

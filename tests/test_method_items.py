@@ -2,7 +2,7 @@
 
 import pytest
 
-from castspec.bench import drafter_options, parse_methods, policy_options
+from castspec.bench.runner import drafter_options, parse_methods, policy_options
 from castspec.errors import CastspecError
 
 
@@ -46,7 +46,7 @@ def test_bad_items_are_refused_with_the_reason(text, says):
 
 
 def test_suffix_items_take_a_depth_and_a_shared_tree_and_calibrate_by_default():
-    from castspec.bench import model_free_from_spec
+    from castspec.bench.runner import model_free_from_spec
 
     (spec,) = parse_methods("cast:suffix:depth=8,shared=5000,auto=0")
     assert drafter_options(spec) == {"depth": 8, "shared": 5000}

@@ -1,7 +1,7 @@
 import torch
 
+from castspec.decode.tree import TreePool
 from castspec.drafters.ngram import NgramDrafter
-from castspec.tree import TreePool
 
 
 def test_proposes_what_followed_the_longest_matching_suffix():

@@ -8,8 +8,7 @@ import random
 
 import pytest
 
-from castspec.cost import CostGrid, CostTable
-from castspec.online_cost import (
+from castspec.costs.online import (
     BATCH_AXIS,
     CONTEXT_AXIS,
     TOKEN_AXIS,
@@ -18,6 +17,7 @@ from castspec.online_cost import (
     fit_prior,
     learned_path,
 )
+from castspec.costs.table import CostGrid, CostTable
 
 
 def truth(b: float, c: float, n: float) -> float:
@@ -163,8 +163,8 @@ def test_seeded_from_a_profiled_grid():
 def test_a_table_the_user_names_is_where_learning_starts_even_over_a_saved_one(tmp_path, monkeypatch, smollm):
     from synthetic import flat_costs
 
-    from castspec.api import online_cost_model
-    from castspec.cost import setup_key
+    from castspec.costs.probe import online_cost_model
+    from castspec.costs.table import setup_key
 
     monkeypatch.setenv("CASTSPEC_HOME", str(tmp_path))
     model, _ = smollm

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from castspec.bench import parse_methods
-from castspec.overhead import measure_method, random_models, random_prompts, run_overhead
-from castspec.tree import DraftTree, TreePool, ancestor_masks
+from castspec.bench.overhead import measure_method, random_models, random_prompts, run_overhead
+from castspec.bench.runner import parse_methods
+from castspec.decode.tree import DraftTree, TreePool, ancestor_masks
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,8 +21,8 @@ from synthetic import flat_costs
 from test_exactness import PROMPTS
 
 from castspec import Engine
+from castspec.bench.serving import launch_server
 from castspec.cli import main
-from castspec.serve.bench import launch_server
 from castspec.serve.ray_app import REPLICA_HEADER, ScaleConfig, replica_actor_names
 
 MODEL = "smollm2-135m"

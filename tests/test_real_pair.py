@@ -9,7 +9,7 @@ from castspec import Engine
 from castspec.drafters.draft_model import DraftModelDrafter, check_compatible
 from castspec.drafters.ngram import NgramDrafter
 from castspec.models import load_model
-from castspec.policies import ChainPolicy, Eagle2Policy
+from castspec.policies.base import ChainPolicy, Eagle2Policy
 
 pytestmark = pytest.mark.slow
 

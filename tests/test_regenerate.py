@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from castspec.bench.prompts import load_sharegpt, read_prompts_file
 from castspec.errors import CastspecError
-from castspec.prompts import load_sharegpt, read_prompts_file
-from castspec.regenerate import regenerate
+from castspec.heads.regenerate import regenerate
 from tests.conftest import hf_greedy
 
 

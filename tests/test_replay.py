@@ -1,4 +1,4 @@
-"""Replay (castspec/replay.py) and the tune grid: a replay against the target's greedy output must accept exactly
+"""Replay (castspec/bench/replay.py) and the tune grid: a replay against the target's greedy output must accept exactly
 what real decoding accepts, step by step (fp32, real SmolLM2)."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import torch
 from synthetic import flat_costs
 
 from castspec.api import Engine
-from castspec.cast import CastPolicy
+from castspec.bench.replay import accepted_path, reference_features, replay
+from castspec.bench.tune import parse_grid, run_tune
+from castspec.decode.tree import DraftTree
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter, load_eagle_head
 from castspec.drafters.ngram import NgramDrafter
 from castspec.errors import CastspecError
-from castspec.policies import ChainPolicy, Eagle2Policy
-from castspec.replay import accepted_path, reference_features, replay
-from castspec.tree import DraftTree
-from castspec.tune import parse_grid, run_tune
+from castspec.policies.base import ChainPolicy, Eagle2Policy
+from castspec.policies.cast import CastPolicy
 
 
 def test_accepted_path_follows_the_reference_through_branches():

@@ -21,18 +21,18 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from castspec import verify
-from castspec.cast import CastPolicy
+from castspec.decode import verify
+from castspec.decode.engine import StopCondition, decode
+from castspec.decode.sampling import SamplingParams, warp
+from castspec.decode.target import Target
+from castspec.decode.tree import DraftTree, Proposal
 from castspec.drafters.base import sampled_candidates
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
 from castspec.drafters.suffix import SuffixDrafter
-from castspec.engine import StopCondition, decode
 from castspec.errors import CastspecError
-from castspec.policies import ChainPolicy, Eagle2Policy
-from castspec.sampling import SamplingParams, warp
-from castspec.target import Target
-from castspec.tree import DraftTree, Proposal
+from castspec.policies.base import ChainPolicy, Eagle2Policy
+from castspec.policies.cast import CastPolicy
 
 ALPHA = 1e-3
 
@@ -315,8 +315,8 @@ def test_verifier_on_real_distributions(smollm):
     """A tree drafted and verified by the real model once; then many verifications of it. The first emitted token
     must follow the target's warped root distribution and, given a drafted first token, the second must follow
     that node's distribution (which the verifier only sees through the tree)."""
-    from castspec.drafting import grow_tree
-    from castspec.policies import StepContext
+    from castspec.decode.drafting import grow_tree
+    from castspec.policies.base import StepContext
 
     model, tokenizer = smollm
     params = SamplingParams(0.8, top_p=0.95)

@@ -16,11 +16,11 @@ from synthetic import flat_costs
 from test_exactness import PROMPTS
 
 from castspec import Engine
-from castspec.cast import CastPolicy
+from castspec.bench.serving import launch_server
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
-from castspec.policies import Eagle2Policy
-from castspec.serve.bench import launch_server
+from castspec.policies.base import Eagle2Policy
+from castspec.policies.cast import CastPolicy
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 180
@@ -341,9 +341,9 @@ def test_serve_trace_records_batch_size_and_tree_shape(tmp_path, smollm):
 
 
 def test_bench_serve_flags_follow_the_method_items():
-    from castspec.bench import parse_methods
+    from castspec.bench.runner import parse_methods
+    from castspec.bench.serving import server_args
     from castspec.errors import CastspecError
-    from castspec.serve.bench import server_args
 
     specs = parse_methods("ar;chain:draft:chain_length=3;eagle2:ngram:top_k=4,depth=3;cast:head+ngram:calibrate=1,"
                           "auto=0")
@@ -362,9 +362,9 @@ def test_bench_serve_flags_follow_the_method_items():
 def test_bench_serve_runs_end_to_end(tmp_path):
     """Two methods, two concurrency levels and one Poisson rate over real servers: every request answered,
     outputs equal across methods, the server's batch sizes and trees reported."""
-    from castspec.bench import parse_methods
-    from castspec.prompts import load_prompt_set
-    from castspec.serve.bench import run_bench_serve, save
+    from castspec.bench.prompts import load_prompt_set
+    from castspec.bench.runner import parse_methods
+    from castspec.bench.serving import run_bench_serve, save
 
     prompts = load_prompt_set("humaneval")[:2] + load_prompt_set("gsm8k")[:1]
     result = run_bench_serve(MODEL, parse_methods("ar;eagle2:ngram:top_k=3,depth=3,total_tokens=8"), prompts, [1, 3],

@@ -14,13 +14,14 @@ from test_batch import BATCH, LONG
 from test_exactness import PROMPTS
 from test_sampling import ALPHA, PROMPT, chi_square_p_value, exact_joint, tiny_llama
 
-from castspec import Engine, kv
-from castspec.cast import CastPolicy
+from castspec import Engine
+from castspec.decode import kv
+from castspec.decode.engine import RequestError, RequestParams, StepEngine
+from castspec.decode.target import Target
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
-from castspec.engine import RequestError, RequestParams, StepEngine
-from castspec.policies import ChainPolicy, Eagle2Policy
-from castspec.target import Target
+from castspec.policies.base import ChainPolicy, Eagle2Policy
+from castspec.policies.cast import CastPolicy
 
 # --- KV helpers, on a stand-in cache (keys/values per layer are all they touch) --------------------------------
 
@@ -260,7 +261,7 @@ def test_sampling_distribution_with_rows_joining_and_leaving():
             for out in stepper.step():
                 if out.finished and out.request_id.startswith("p"):
                     samples[out.request_id] = tuple(out.output_ids[:2])
-    from castspec.sampling import SamplingParams
+    from castspec.decode.sampling import SamplingParams
 
     exact = exact_joint(target_model, PROMPT, 2, SamplingParams(**params))
     assert chi_square_p_value(list(samples.values()), exact) > ALPHA

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from castspec.api import Engine
-from castspec.cast import CastPolicy
+from castspec.decode.engine import RequestError, RequestParams, StepEngine
+from castspec.decode.tree import TreePool
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
 from castspec.drafters.suffix import SharedSuffixTrie, SuffixDrafter, SuffixTrie
 from castspec.drafters.with_ngram import NgramAugmentedDrafter
-from castspec.engine import RequestError, RequestParams, StepEngine
 from castspec.errors import CastspecError
-from castspec.policies import ChainPolicy, Eagle2Policy
-from castspec.tree import TreePool
+from castspec.policies.base import ChainPolicy, Eagle2Policy
+from castspec.policies.cast import CastPolicy
 from tests.synthetic import flat_costs
 
 REPEATS = ("def area(width, height):\n    return width * height\n\n"

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
+from castspec.bench.prompts import load_sharegpt
 from castspec.drafters.eagle_head import load_eagle_head
 from castspec.errors import CastspecError
-from castspec.prompts import load_sharegpt
-from castspec.train_config import TrainConfig
-from castspec.train_head import (
+from castspec.heads.config import TrainConfig
+from castspec.heads.train import (
     _assistant_spans,
     _batch,
     _Item,
@@ -237,7 +237,7 @@ def test_head_from_the_targets_last_layer(smollm, smollm_reference, conversation
     test decodes exactly HF greedy's output; conflicting settings are refused."""
     from castspec import Engine
     from castspec.drafters.eagle_head import EagleHeadDrafter
-    from castspec.policies import ChainPolicy, Eagle2Policy
+    from castspec.policies.base import ChainPolicy, Eagle2Policy
 
     model, tokenizer = smollm
     head = head_from_target_layer(model)
@@ -276,9 +276,9 @@ def test_eagle3_head_trains_saves_in_its_layout_and_decodes_exactly(smollm, smol
     from synthetic import flat_costs
 
     from castspec import Engine
-    from castspec.cast import CastPolicy
     from castspec.drafters.eagle_head import Eagle3Head, EagleHeadDrafter
-    from castspec.policies import ChainPolicy, Eagle2Policy
+    from castspec.policies.base import ChainPolicy, Eagle2Policy
+    from castspec.policies.cast import CastPolicy
 
     model, tokenizer = smollm
     cfg = dataclasses.replace(TINY, arch="eagle3", draft_vocab=50, unroll=2)

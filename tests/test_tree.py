@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from castspec.tree import DraftTree
+from castspec.decode.tree import DraftTree
 
 #        0
 #      /   \

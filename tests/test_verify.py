@@ -1,7 +1,7 @@
 import torch
 
-from castspec.tree import DraftTree
-from castspec.verify import greedy_accept
+from castspec.decode.tree import DraftTree
+from castspec.decode.verify import greedy_accept
 
 V = 20
 

@@ -8,8 +8,8 @@ import torch
 from synthetic import flat_costs
 
 from castspec import Engine
-from castspec.bench import _runners, parse_methods
-from castspec.cast import CastPolicy
+from castspec.bench.runner import _runners, parse_methods
+from castspec.decode.sampling import SamplingParams
 from castspec.drafters.base import Candidates
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
@@ -17,8 +17,8 @@ from castspec.drafters.ngram import NgramDrafter
 from castspec.drafters.suffix import SuffixDrafter
 from castspec.drafters.with_ngram import NgramAugmentedDrafter, merge_candidates
 from castspec.errors import CastspecError
-from castspec.policies import ChainPolicy, Eagle2Policy
-from castspec.sampling import SamplingParams
+from castspec.policies.base import ChainPolicy, Eagle2Policy
+from castspec.policies.cast import CastPolicy
 
 
 def test_merge_keeps_each_token_once_with_its_larger_probability_best_first():

@@ -5,13 +5,13 @@ import json
 import statistics
 
 from castspec.api import Engine, drafter_identity, find_cost_table
-from castspec.bench import encode_prompts
-from castspec.cast import CastPolicy
-from castspec.cli import _prompts
-from castspec.cost import setup_key
+from castspec.bench.replay import replay
+from castspec.bench.runner import encode_prompts
+from castspec.cli.options import prompt_rows as _prompts
+from castspec.costs.table import setup_key
 from castspec.drafters.ngram import NgramDrafter
 from castspec.models import load_model
-from castspec.replay import replay
+from castspec.policies.cast import CastPolicy
 
 target, tok = load_model("qwen2.5-coder-1.5b", "bf16")
 costs = find_cost_table(setup_key(target), drafter_identity(None))

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from castspec.api import Engine, drafter_identity, make_policy, online_cost_model
-from castspec.cost import device_name
+from castspec.bench.prompts import load_prompt_set
+from castspec.costs.table import device_name
+from castspec.decode.engine import RequestParams
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.ngram import NgramDrafter
-from castspec.engine import RequestParams
 from castspec.models import load_model
-from castspec.prompts import load_prompt_set
 
 COMPETITOR = """
 import time, torch

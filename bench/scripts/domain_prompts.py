@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from castspec.prompts import PROMPT_SETS, load_prompt_set
+from castspec.bench.prompts import PROMPT_SETS, load_prompt_set
 
 
 def main() -> None:

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from castspec import cost
-from castspec.bench import parse_methods
-from castspec.overhead import DEFAULT_METHODS, overhead_table, plot_overhead, random_models, run_overhead
+from castspec.bench.overhead import DEFAULT_METHODS, overhead_table, plot_overhead, random_models, run_overhead
+from castspec.bench.runner import parse_methods
+from castspec.costs import profile as cost
+from castspec.costs.table import device_name
 
 
 def profile(models, batch_sizes: list[int], contexts: list[int], tokens: list[int]) -> dict:
@@ -48,7 +49,7 @@ def main() -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device_label = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else cost.device_name(
+    device_label = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else device_name(
         torch.device("cpu"))
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     report: dict = {"device": device_label, "size": args.size, "torch": torch.__version__,

@@ -12,10 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from castspec.bench.prompts import load_sharegpt
+from castspec.heads.config import TrainConfig
+from castspec.heads.train import train
 from castspec.models import castspec_home, load_model
-from castspec.prompts import load_sharegpt
-from castspec.train_config import TrainConfig
-from castspec.train_head import train
 
 TARGET, MAX_LENGTH = "qwen2.5-coder-1.5b", 512
 RECIPES = {

@@ -21,11 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from castspec.api import encode_text
-from castspec.cli import _conversations, _data_name
+from castspec.bench.prompts import PROMPT_SETS, load_prompt_set
+from castspec.cli.heads import _conversations, _data_name
 from castspec.drafters.eagle_head import Eagle3Head, load_eagle_head
-from castspec.models import castspec_home, load_model
-from castspec.prompts import PROMPT_SETS, load_prompt_set
-from castspec.train_head import (
+from castspec.heads.train import (
     TrainingSequence,
     _batch,
     feature_layers,
@@ -33,6 +32,7 @@ from castspec.train_head import (
     training_sequences,
     unrolled_passes,
 )
+from castspec.models import castspec_home, load_model
 
 TARGET = "qwen2.5-coder-1.5b"
 

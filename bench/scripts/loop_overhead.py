@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from castspec.api import Engine
-from castspec.bench import encode_prompts
-from castspec.cli import _prompts
+from castspec.bench.runner import encode_prompts
+from castspec.cli.options import prompt_rows as _prompts
 from castspec.models import load_model
 
 model, tokenizer = load_model("qwen2.5-coder-1.5b", "bf16")

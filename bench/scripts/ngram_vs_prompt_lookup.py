@@ -19,11 +19,11 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from castspec.api import encode_text, make_policy
-from castspec.cost import CostTable
+from castspec.bench.prompts import load_prompt_set
+from castspec.bench.replay import replay
+from castspec.costs.table import CostTable
 from castspec.drafters.ngram import NgramDrafter
 from castspec.models import castspec_home, converted_dir
-from castspec.prompts import load_prompt_set
-from castspec.replay import replay
 
 headline_path = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/headline/headline-qwen1.5b-bf16-avx512bf16.json")
 headline = json.loads(headline_path.read_text())

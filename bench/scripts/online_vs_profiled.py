@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from castspec import cost
+from castspec.costs import profile as cost
+from castspec.costs.table import CostTable, device_name
 from castspec.models import load_model
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, repeats=3)}
     timers["draft"] = ((lambda b, c, n: cost.time_forward(draft, b, c, n, repeats=3)) if draft is not None
                        else (lambda b, c, n: cost.time_ngram(n * b, c, repeats=3)))
-    tables = {"profiled": cost.CostTable.load(args.profiled), "learned": cost.CostTable.load(args.learned)}
+    tables = {"profiled": CostTable.load(args.profiled), "learned": CostTable.load(args.learned)}
     points = cost.held_out_points(tables["profiled"].target, args.points, seed=7)
     rows = []
     for i, (b, c, n) in enumerate(points):
@@ -60,7 +61,7 @@ def main() -> None:
     summary = {w: {name: {"all": median_ape(name, w), "B=1": median_ape(name, w, 1)} for name in tables}
                for w in timers}
     report = {"date": time.strftime("%Y-%m-%d %H:%M"),
-              "machine": f"{cost.device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads",
+              "machine": f"{device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads",
               "command": "python " + " ".join(sys.argv), "profiled": args.profiled, "learned": args.learned,
               "summary": summary, "points": rows}
     out = Path(args.out)

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from castspec import cost
 from castspec.api import encode_text
+from castspec.bench.prompts import load_prompt_set
+from castspec.costs import profile as cost
+from castspec.costs.table import device_name
+from castspec.decode.tree import TreePool
 from castspec.drafters.suffix import SuffixDrafter
 from castspec.models import load_model
-from castspec.prompts import load_prompt_set
-from castspec.tree import TreePool
 
 model_name, out = sys.argv[1], Path(sys.argv[2])
 model, tokenizer = load_model(model_name, "bf16")
@@ -83,7 +84,7 @@ for context in (512, 2048, 8192):
                  "step_share_of_forward": round(step_ms / (forward_1 * 1e3), 4)})
     print(rows[-1], flush=True)
 
-meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cost.device_name(next(model.parameters()).device),
+meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": device_name(next(model.parameters()).device),
         "model": model_name, "dtype": "bf16", "command": "python " + " ".join(sys.argv)}
 out.parent.mkdir(parents=True, exist_ok=True)
 (out.parent / (out.name + ".json")).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -19,9 +19,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from castspec.api import Engine, make_policy  # noqa: E402
-from castspec.cost import device_name  # noqa: E402
+from castspec.bench.prompts import load_prompt_set  # noqa: E402
+from castspec.costs.table import device_name  # noqa: E402
 from castspec.drafters.suffix import SharedSuffixTrie, SuffixDrafter  # noqa: E402
-from castspec.prompts import load_prompt_set  # noqa: E402
 
 model_name, per_family, max_new, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 rows = load_prompt_set("repetitive")

@@ -5,7 +5,7 @@ Greedy decoding is lossless, so each step starts from a prefix of the AR output 
 a proposal's accepted length is how far it follows that output. arctic-inference is driven through its
 SuffixDecodingCache as its vLLM integration does (prompt in a per-request tree, the output appended as it is
 accepted; no global cache: one request at a time, like ours without a shared tree), with its defaults
-(max depth 64, max_spec_factor 1, min_token_prob 0.1), as a chain and as a tree. Ours through castspec.replay
+(max depth 64, max_spec_factor 1, min_token_prob 0.1), as a chain and as a tree. Ours through castspec.bench.replay
 (the real drafter and policy; verify forwards priced by this machine's learned cost table for the suffix drafter).
 
 arctic-inference 0.3.0 ships only as an sdist; its suffix tree is a standalone C++ extension (nanobind), built
@@ -23,12 +23,12 @@ from pathlib import Path
 from arctic_inference.suffix_decoding.cache import SuffixDecodingCache
 
 from castspec.api import encode_text, make_policy, online_cost_model
-from castspec.cost import device_name
+from castspec.bench.prompts import load_prompt_set
+from castspec.bench.replay import replay
+from castspec.costs.table import device_name
 from castspec.drafters.suffix import SuffixDrafter
 from castspec.models import load_model
-from castspec.policies import ChainPolicy
-from castspec.prompts import load_prompt_set
-from castspec.replay import replay
+from castspec.policies.base import ChainPolicy
 
 out, bench_files = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
 model_name = json.loads(bench_files[0].read_text())["meta"]["settings"]["model"]

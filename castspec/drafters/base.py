@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from castspec.decode.sampling import SamplingParams, warp
+from castspec.decode.tree import TreePool
 from castspec.errors import CastspecError
-from castspec.sampling import SamplingParams, warp
-from castspec.tree import TreePool
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from castspec import kv
+from castspec.decode import kv
+from castspec.decode.tree import TreePool
 from castspec.drafters.base import Candidates, Drafter, empty_candidates, sampled_candidates, top_candidates
 from castspec.errors import CastspecError
-from castspec.tree import TreePool
 
 
 def check_compatible(target_model, target_tokenizer, draft_model, draft_tokenizer) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from castspec import kv
+from castspec.decode import kv
 from castspec.drafters.base import Candidates, top_candidates
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.errors import CastspecError

@@ -11,9 +11,9 @@ from collections import Counter, defaultdict
 
 import torch
 
+from castspec.decode.tree import TreePool
 from castspec.drafters.base import Candidates, Drafter
 from castspec.errors import CastspecError
-from castspec.tree import TreePool
 
 
 class _Index:

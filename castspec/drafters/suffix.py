@@ -21,9 +21,9 @@ from operator import itemgetter
 
 import torch
 
+from castspec.decode.tree import TreePool
 from castspec.drafters.base import Candidates, Drafter
 from castspec.errors import CastspecError
-from castspec.tree import TreePool
 
 
 class SuffixTrie:

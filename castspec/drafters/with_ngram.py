@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from castspec.decode.tree import TreePool
 from castspec.drafters.base import Candidates, Drafter
 from castspec.drafters.ngram import NgramDrafter
 from castspec.drafters.suffix import SuffixDrafter
 from castspec.errors import CastspecError
-from castspec.tree import TreePool
 
 
 def merge_candidates(model: Candidates, ngram: Candidates) -> Candidates:

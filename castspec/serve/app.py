@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from castspec.api import encode_text
-from castspec.engine import RequestError, RequestOutput, RequestParams
+from castspec.decode.engine import RequestError, RequestOutput, RequestParams
 from castspec.errors import CastspecError
 from castspec.serve import protocol as P
 from castspec.serve.loop import EngineLoop

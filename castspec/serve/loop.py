@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from castspec.engine import RequestError, RequestOutput, RequestParams, StepEngine
+from castspec.decode.engine import RequestError, RequestOutput, RequestParams, StepEngine
 from castspec.serve.metrics import ServerMetrics
 from castspec.serve.protocol import FINISH_REASONS
 

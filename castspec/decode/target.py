@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from castspec import kv
-from castspec.tree import DraftTree, ancestor_masks, padded_rows
+from castspec.decode import kv
+from castspec.decode.tree import DraftTree, ancestor_masks, padded_rows
 
 
 class Target:

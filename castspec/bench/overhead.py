@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from castspec.bench import MethodSpec, method_parts
+from castspec.bench.runner import MethodSpec, method_parts
+from castspec.decode.engine import StepEngine, StopCondition
+from castspec.decode.step_timer import PHASES, StepTimer
+from castspec.decode.target import Target
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHead, EagleHeadDrafter, head_config
 from castspec.drafters.with_ngram import NgramAugmentedDrafter
-from castspec.engine import StepEngine, StopCondition
 from castspec.errors import CastspecError
-from castspec.step_timer import PHASES, StepTimer
-from castspec.target import Target
 
 SIZES = {
     # name: (target geometry, draft geometry or None for a noisy copy of the target)

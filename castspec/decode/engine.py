@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from castspec.costs.online import OnlineCostTable
+from castspec.decode.drafting import DraftRecord, grow_trees
+from castspec.decode.sampling import SamplingParams
+from castspec.decode.step_timer import StepTimer
+from castspec.decode.target import Target
+from castspec.decode.tree import DraftTree
+from castspec.decode.verify import accept
 from castspec.drafters.base import Drafter
-from castspec.drafting import DraftRecord, grow_trees
 from castspec.errors import CastspecError
-from castspec.online_cost import OnlineCostTable
-from castspec.policies import Policy, StepContext
-from castspec.sampling import SamplingParams
-from castspec.step_timer import StepTimer
-from castspec.target import Target
-from castspec.tree import DraftTree
-from castspec.verify import accept
+from castspec.policies.base import Policy, StepContext
 
 
 @dataclass

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from castspec.cost import CostTable
+from castspec.costs.table import CostTable
+from castspec.decode.drafting import grow_trees
+from castspec.decode.target import join_features
+from castspec.decode.tree import DraftTree
+from castspec.decode.verify import child_index
 from castspec.drafters.base import Drafter
-from castspec.drafting import grow_trees
 from castspec.errors import CastspecError
-from castspec.policies import Policy, StepContext
-from castspec.target import join_features
-from castspec.tree import DraftTree
-from castspec.verify import child_index
+from castspec.policies.base import Policy, StepContext
 
 
 @dataclass
@@ -75,7 +75,7 @@ def replay(drafter: Drafter | None, policy: Policy | None, prompt: list[int], re
     reads_features = drafter is not None and bool(drafter.feature_layers)
     if reads_features and features is None:
         raise CastspecError(f"the {drafter.name} drafter reads target features: pass the target's features of "
-                            "prompt + reference (castspec.replay.reference_features)")
+                            "prompt + reference (castspec.bench.replay.reference_features)")
     if reads_features and features.shape[0] < len(prompt) + len(reference) - 1:
         raise CastspecError(f"features cover {features.shape[0]} positions; prompt + reference needs at least "
                             f"{len(prompt) + len(reference) - 1}")

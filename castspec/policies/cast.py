@@ -14,10 +14,10 @@ from itertools import pairwise
 
 import torch
 
-from castspec.cost import CostTable, isotonic
+from castspec.costs.table import CostTable, isotonic
+from castspec.decode.tree import DraftTree
 from castspec.errors import CastspecError
-from castspec.policies import Policy, StepContext, batch_utilities
-from castspec.tree import DraftTree
+from castspec.policies.base import Policy, StepContext, batch_utilities
 
 
 def select_max_valid_index(utilities: list[float], costs: list[float], threshold: float,

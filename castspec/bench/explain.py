@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from castspec.decode.tree import DraftTree
 from castspec.errors import CastspecError
-from castspec.tree import DraftTree
 
 
 @dataclass

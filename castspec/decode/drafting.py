@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from castspec.decode.tree import DraftTree, Proposal, TreePool
 from castspec.drafters.base import Candidates, Drafter
-from castspec.policies import Policy, StepContext
-from castspec.tree import DraftTree, Proposal, TreePool
+from castspec.policies.base import Policy, StepContext
 
 
 @dataclass

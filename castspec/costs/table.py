@@ -1,4 +1,4 @@
-"""Cost model: measured forward latency f(B, c, n) of a model (B sequences, KV context c, n new tokens each),
+"""The cost table: measured forward latency f(B, c, n) of a model (B sequences, KV context c, n new tokens each),
 stored as a table keyed by the setup it was measured on, read back by interpolation.
 
 Interpolation scheme: at each measured batch size, bilinear in (c, n) over the measured grid, with linear
@@ -15,15 +15,11 @@ import bisect
 import hashlib
 import json
 import platform
-import random
-import statistics
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import transformers
 
 from castspec.errors import CastspecError
 
@@ -52,6 +48,11 @@ def device_name(device: torch.device) -> str:
     return f"{name} [{best}]" if best else name
 
 
+def machine_label() -> str:
+    """This machine as results name it: the CPU with its widest matrix instructions, and the torch threads."""
+    return f"{device_name(torch.device('cpu'))}, {torch.get_num_threads()} threads"
+
+
 def model_identity(model) -> str:
     """Name plus a hash of the config and parameter count: two different models never share a key."""
     config = model.config.to_json_string(use_diff=False)
@@ -62,6 +63,8 @@ def model_identity(model) -> str:
 
 
 def setup_key(model, dtype: torch.dtype | None = None) -> dict:
+    import transformers  # here, not at the top: the table itself (and the policies reading it) need no model code
+
     device = next(model.parameters()).device
     return {
         "device": device_name(device),
@@ -245,213 +248,4 @@ def _grid_from(data: dict) -> CostGrid:
     return CostGrid(list(data["batch_sizes"]), list(data["contexts"]), list(data["tokens"]), data["seconds"])
 
 
-# ---- measuring -------------------------------------------------------------------------------------------------
-
-
-def _filled_cache(model, batch_size: int, context: int):
-    """A KV cache holding `context` entries of random values: attention costs depend on shapes only."""
-    from castspec.kv import new_cache
-
-    config = model.config
-    cache = new_cache(model)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    param = next(model.parameters())
-    for layer in range(config.num_hidden_layers):
-        k = torch.randn(batch_size, heads, context, head_dim, dtype=param.dtype, device=param.device)
-        cache.update(k, torch.randn_like(k), layer)
-    return cache
-
-
-def _chain_after(batch_size: int, context: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and the [B, 1, n, c + n] mask of `tokens` new tokens per row, causal among themselves, after
-    `context` cached ones (a chain costs what any tree of the same size costs)."""
-    positions = torch.arange(context, context + tokens, device=device).expand(batch_size, tokens)
-    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
-    mask = torch.cat([torch.ones(tokens, context, dtype=torch.bool, device=device), causal], 1)
-    return positions, mask[None, None].expand(batch_size, 1, tokens, context + tokens)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def time_forward(model, batch_size: int, context: int, tokens: int, repeats: int = 3, warmup: int = 1) -> float:
-    """Median wall seconds of one tree-masked forward of `tokens` new tokens per row after `context` cached ones."""
-    from castspec import kv
-
-    device = next(model.parameters()).device
-    cache = _filled_cache(model, batch_size, context)
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch_size, tokens), device=device)
-    positions, mask = _chain_after(batch_size, context, tokens, device)
-    times = []
-    for i in range(warmup + repeats):
-        _sync(device)
-        start = time.perf_counter()
-        kv.forward(model, cache, ids, positions, mask)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-        kv.crop(cache, context)
-    return statistics.median(times)
-
-
-@torch.inference_mode()
-def time_head(head, target_model, batch_size: int, context: int, tokens: int, repeats: int = 3,
-              warmup: int = 1) -> float:
-    """Median seconds of one EAGLE-head draft layer: `tokens` tree nodes per row after `context` cached pairs,
-    the head's logits included as drafting computes them (the target's lm_head, or its rows for the head's draft
-    vocabulary)."""
-    from castspec import kv
-
-    param = next(head.parameters())
-    cache = _filled_cache(head, batch_size, context)
-    ids = torch.randint(0, target_model.config.vocab_size, (batch_size, tokens), device=param.device)
-    features = torch.randn(batch_size, tokens, head.config.hidden_size, dtype=param.dtype, device=param.device)
-    positions, mask = _chain_after(batch_size, context, tokens, param.device)
-    embed, lm_head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
-    times = []
-    for i in range(warmup + repeats):
-        _sync(param.device)
-        start = time.perf_counter()
-        head.draft_logits(head(embed(ids), features, positions, mask, cache), lm_head)
-        _sync(param.device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-        kv.crop(cache, context)
-    return statistics.median(times)
-
-
-def time_ngram(tokens: int, context: int, repeats: int = 3, drafter: str = "ngram") -> float:
-    """Median seconds for a model-free drafter ('ngram' or 'suffix') to propose children for `tokens` nodes
-    over a `context` history."""
-    from castspec.drafters.ngram import NgramDrafter
-    from castspec.drafters.suffix import SuffixDrafter
-    from castspec.tree import TreePool
-
-    rng = random.Random(0)
-    history = [rng.randrange(64) for _ in range(context)]
-    times = []
-    for _ in range(repeats):
-        d = SuffixDrafter() if drafter == "suffix" else NgramDrafter()
-        d.begin([history], 4)
-        pool = TreePool.from_lists([history[-1]] + [rng.randrange(64) for _ in range(tokens)], [-1] + [0] * tokens)
-        start = time.perf_counter()
-        d.expand([pool], [list(range(1, tokens + 1))], 4)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-Timer = Callable[[int, int, int], float]
-
-
-def measure_grids(timers: dict[str, Timer], batch_sizes: list[int], contexts: list[int], tokens: list[int],
-                  passes: int = 3, progress: Callable[[str], None] | None = None,
-                  seed: int = 0) -> dict[str, CostGrid]:
-    """Time every grid point of every timer once per pass, each pass in a fresh random order over all timers
-    and points, and keep each point's median over the passes. Measuring a point's repeats back to back lets a
-    burst of load elsewhere, or a slow first call after the previous shape, shift that point (or a run of its
-    neighbours) as a whole; spread over passes, such a slowdown hits one pass of scattered points and the median
-    drops it. Interleaving the timers puts the target's and the drafter's curves under the same conditions."""
-    if passes < 1:
-        raise CastspecError(f"profiling needs at least one pass, got {passes}")
-    points = [(which, bi, ci, ni) for which in timers for bi in range(len(batch_sizes))
-              for ci in range(len(contexts)) for ni in range(len(tokens))]
-    samples: dict[tuple[str, int, int, int], list[float]] = {p: [] for p in points}
-    rng = random.Random(seed)
-    for k in range(passes):
-        order = list(points)
-        rng.shuffle(order)
-        for which, bi, ci, ni in order:
-            b, c, n = batch_sizes[bi], contexts[ci], tokens[ni]
-            samples[which, bi, ci, ni].append(timers[which](b, c, n))
-            if progress:
-                progress(f"pass {k + 1}/{passes} {which} B={b} c={c} n={n}: "
-                         f"{samples[which, bi, ci, ni][-1] * 1e3:.1f} ms")
-    return {which: CostGrid(list(batch_sizes), list(contexts), list(tokens),
-                            [[[statistics.median(samples[which, bi, ci, ni]) for ni in range(len(tokens))]
-                              for ci in range(len(contexts))] for bi in range(len(batch_sizes))])
-            for which in timers}
-
-
-def token_grid(max_tokens: int) -> list[int]:
-    base = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
-    return [n for n in base if n < max_tokens] + [max_tokens]
-
-
-def validate(table: CostTable, timers: dict[str, Timer], points: Iterable[tuple[int, int, int]]) -> dict:
-    """Measure held-out points and compare with the table's predictions: absolute percentage errors."""
-    report = {}
-    for which, timer in timers.items():
-        grid = table.target if which == "target" else table.draft
-        if grid is None:
-            continue
-        rows = []
-        for b, c, n in points:
-            measured = timer(b, c, n)
-            predicted = grid(b, c, n)
-            rows.append({"batch_size": b, "context": c, "tokens": n, "measured_s": measured,
-                         "predicted_s": predicted, "ape": abs(predicted - measured) / measured})
-        errors = sorted(r["ape"] for r in rows)
-        report[which] = {"points": rows, "median_ape": statistics.median(errors),
-                         "p90_ape": errors[min(len(errors) - 1, int(round(0.9 * (len(errors) - 1))))]}
-    return report
-
-
-def held_out_points(grid: CostGrid, count: int, seed: int = 0) -> list[tuple[int, int, int]]:
-    """Random (B, c, n) off the grid's c and n points (B among the measured ones), inside its range."""
-    rng = random.Random(seed)
-    points = []
-    while len(points) < count:
-        b = rng.choice(grid.batch_sizes)
-        c = rng.randint(grid.contexts[0], grid.contexts[-1])
-        n = rng.randint(grid.tokens[0], grid.tokens[-1])
-        if c not in grid.contexts and n not in grid.tokens:
-            points.append((b, c, n))
-    return points
-
-
-def plot_table(table: CostTable, out: str | Path, compare: CostTable | None = None) -> None:
-    """The table's measured curves (ms per forward against n, per batch size and context); with `compare`
-    (a learned table, say), that table's predictions at the same points, dotted, with its median deviation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    grids = [("target", table.target)] + ([("draft", table.draft)] if table.draft is not None else [])
-    fig, axes = plt.subplots(1, len(grids), figsize=(6.5 * len(grids), 4.5), squeeze=False)
-    styles = ["-", "--", ":", "-."]
-    for ax, (name, grid) in zip(axes[0], grids, strict=True):
-        other = None if compare is None else compare.target if name == "target" else compare.draft
-        cmap = plt.get_cmap("viridis")
-        for bi, b in enumerate(grid.batch_sizes):
-            color = cmap(bi / max(1, len(grid.batch_sizes) - 1))
-            shown = grid.contexts if len(grid.contexts) <= 4 else [grid.contexts[i] for i in
-                                                                     (0, len(grid.contexts) // 2, -1)]
-            for si, c in enumerate(shown):
-                ci = grid.contexts.index(c)
-                ax.plot(grid.tokens, [s * 1e3 for s in grid.seconds[bi][ci]], styles[si % 4], color=color,
-                        marker=".", label=f"B={b}, c={c}")
-                if other is not None:
-                    ax.plot(grid.tokens, [other(b, c, n) * 1e3 for n in grid.tokens], ":", color=color,
-                            marker="x", markersize=4, linewidth=1)
-        ax.set_xlabel("new tokens per sequence (n)")
-        ax.set_ylabel("ms per forward")
-        model = table.meta.get(name, {}).get("model", name)
-        title = f"{name}: {model}"
-        if other is not None:
-            deviation = statistics.median(abs(other(b, c, n) / grid(b, c, n) - 1) for b in grid.batch_sizes
-                                          for c in grid.contexts for n in grid.tokens)
-            title += f"\ndotted x: compared table, median deviation {deviation * 100:.1f}%"
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncols=2)
-    fig.suptitle(f"{table.meta.get('target', {}).get('device', '')}, "
-                 f"{table.meta.get('target', {}).get('dtype', '')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+Timer = Callable[[int, int, int], float]  # (batch size, context, new tokens) -> seconds of one forward

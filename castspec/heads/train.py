@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from castspec.decode.target import join_features
 from castspec.drafters.eagle_head import (
     Eagle3Head,
     EagleHead,
@@ -43,8 +44,7 @@ from castspec.drafters.eagle_head import (
     save_eagle_head,
 )
 from castspec.errors import CastspecError
-from castspec.target import join_features
-from castspec.train_config import ARCH, LAYER_INIT, LOSS_ON, TrainConfig
+from castspec.heads.config import ARCH, LAYER_INIT, LOSS_ON, TrainConfig
 
 
 class TrainingSequence(NamedTuple):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from castspec.decode.tree import DraftTree
 from castspec.errors import CastspecError
-from castspec.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from castspec.bench import MethodSpec
+from castspec.bench.runner import MethodSpec
 from castspec.errors import CastspecError
 from castspec.serve.metrics import PUSH_EVERY_S
 

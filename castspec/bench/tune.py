@@ -2,7 +2,7 @@
 tuning split, the way a careful user of a fixed-tree system would, so that CAST can be compared with it.
 
 1. The target decodes the tuning prompts plainly (greedy): these outputs are the reference.
-2. Every grid point is replayed against the reference (castspec/replay.py): exact accepted lengths, measured
+2. Every grid point is replayed against the reference (castspec/bench/replay.py): exact accepted lengths, measured
    drafting time, verify forwards priced by the cost table. CAST (auto and the paper's thresholds) is replayed
    alongside, so the whole grid and CAST are compared on the same footing.
 3. The `measure` best grid points by predicted speed-up are run for real, with AR and CAST, in one interleaved
@@ -19,7 +19,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from castspec.api import Engine, make_policy
-from castspec.bench import (
+from castspec.bench.replay import reference_features, replay
+from castspec.bench.runner import (
     METHOD_OPTIONS,
     MethodSpec,
     encode_prompts,
@@ -28,9 +29,8 @@ from castspec.bench import (
     policy_options,
     run_benchmark,
 )
-from castspec.cost import CostTable
+from castspec.costs.table import CostTable
 from castspec.errors import CastspecError
-from castspec.replay import reference_features, replay
 
 DEFAULT_GRIDS = {"eagle2": "top_k=2,4,8,10;depth=2,3,4,5,6,7;total_tokens=8,16,32,60",
                  "chain": "chain_length=1,2,3,4,5,6,8"}

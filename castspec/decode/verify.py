@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from castspec.sampling import SamplingParams, draw, warp
-from castspec.tree import DraftTree, Proposal
+from castspec.decode.sampling import SamplingParams, draw, warp
+from castspec.decode.tree import DraftTree, Proposal
 
 
 def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from castspec.cost import CostGrid, CostTable
+from castspec.costs.table import CostGrid, CostTable
 from castspec.errors import CastspecError
 
 BATCH_AXIS = [1, 2, 4, 8, 16, 32, 64]

@@ -16,8 +16,10 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from castspec.api import SUFFIX_MAX_DEPTH, Engine, drafter_identity, find_cost_table, make_policy, online_cost_model
-from castspec.cost import device_name, setup_key
+from castspec.api import SUFFIX_MAX_DEPTH, Engine, drafter_identity, make_policy
+from castspec.costs.probe import find_cost_table, online_cost_model
+from castspec.costs.table import device_name, setup_key
+from castspec.decode.sampling import SamplingParams
 from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter
 from castspec.drafters.eagle_head import EagleHeadDrafter
@@ -25,8 +27,7 @@ from castspec.drafters.ngram import NgramDrafter
 from castspec.drafters.suffix import SharedSuffixTrie, SuffixDrafter
 from castspec.drafters.with_ngram import NgramAugmentedDrafter
 from castspec.errors import CastspecError
-from castspec.policies import Policy
-from castspec.sampling import SamplingParams
+from castspec.policies.base import Policy
 
 
 @dataclass
