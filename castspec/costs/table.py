@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -208,7 +209,8 @@ class CostTable:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
+        # a name of this process's own: two processes saving the same learned table must not rename one file twice
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.to_json(), indent=1))
         tmp.replace(path)
 
