@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import json
 import math
+import random
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -111,6 +112,16 @@ class LearnedCurve:
     @property
     def ready(self) -> bool:
         return bool(self.cells)
+
+    def sure(self, b: float, c: float, n: float) -> bool:
+        """Whether the curve's word at (b, c, n) rests on evidence: the nearest cell has been timed `settled`
+        times (a probe point or a seeded profile point is a guess), and the recent timings agree with the curve
+        (their median departure within `shift`, as `_follow` reads it)."""
+        key = (_nearest(BATCH_AXIS, b), _nearest(CONTEXT_AXIS, max(c, 1)), _nearest(TOKEN_AXIS, n))
+        cell = self.cells.get(key)
+        if cell is None or cell[1] < self.settled:
+            return False
+        return len(self.residuals) < 3 or abs(statistics.median(self.residuals)) <= self.shift
 
     def grid(self) -> CostGrid:
         if self._grid is None or self._stale >= self.refresh_every:
@@ -307,6 +318,10 @@ class OnlineCostTable(CostTable):
     def ready(self) -> bool:
         return self.target_curve.ready and self.draft_curve.ready
 
+    def draft_sure(self, b: int, c: int, n: int) -> bool:
+        """Whether the drafter's price at (b, c, n) rests on evidence (`LearnedCurve.sure`)."""
+        return self.draft_curve.ready and self.draft_curve.sure(b, c, n)
+
     def observe_target(self, b: int, c: int, n: int, seconds: float) -> None:
         self.target_curve.observe(b, c, n, seconds)
         self._count()
@@ -322,22 +337,40 @@ class OnlineCostTable(CostTable):
 
     def probe(self, target_timer: Timer, draft_timer: Timer | None, batch_size: int = 1,
               points: tuple[tuple[int, int], ...] = ((64, 1), (64, 4), (64, 16), (64, 64), (512, 1), (512, 16)),
-              progress: Callable[[str], None] | None = None) -> None:
+              passes: int = 3, progress: Callable[[str], None] | None = None) -> dict:
         """A few forwards of each model at `batch_size` (context, tokens in `points`): enough for a first shape
         (n = 64 too, so that the prior's slope in tokens is not read off the steep first few); every later step
-        refines it."""
-        timers = [("target", target_timer, self.target_curve)]
+        refines it. Every shape is run once untimed first (the first call of a shape pays for allocations and
+        kernel selection), then timed in `passes` passes, each over all points of both models in a new order,
+        and each point keeps its median: a burst of load elsewhere (a package install, say) hits one pass of a
+        few points and is dropped, instead of pricing drafting far too high for a whole run.
+        Returns the medians and the draft/target ratio at one token, 64 of context."""
+        if passes < 1:
+            raise CastspecError(f"the cost probe needs at least one pass, got {passes}")
+        timers = {"target": (target_timer, self.target_curve)}
         if draft_timer is not None:
-            timers.append(("draft", draft_timer, self.draft_curve))
-        total, done = len(points) * len(timers), 0
-        for _, timer, _ in timers:  # the first call of a shape pays for allocations and kernel selection
-            timer(batch_size, *points[0])
-        for which, timer, curve in timers:
-            for c, n in points:
-                curve.observe(batch_size, c, n, timer(batch_size, c, n))
+            timers["draft"] = (draft_timer, self.draft_curve)
+        order = [(which, c, n) for which in timers for c, n in points]
+        total, done = len(order) * (passes + 1), 0
+        samples: dict[tuple[str, int, int], list[float]] = {key: [] for key in order}
+        rng = random.Random(0)
+        for k in range(passes + 1):
+            for which, c, n in order:
+                seconds = timers[which][0](batch_size, c, n)
+                if k > 0:  # pass 0 warms every shape
+                    samples[which, c, n].append(seconds)
                 done += 1
                 if progress:
                     progress(f"probing costs {done}/{total}: {which} B={batch_size} c={c} n={n}")
+            rng.shuffle(order)
+        medians = {key: statistics.median(values) for key, values in samples.items()}
+        for (which, c, n), seconds in medians.items():
+            timers[which][1].observe(batch_size, c, n, seconds)
+        report = {"medians": medians}
+        c, n = points[0]
+        if draft_timer is not None:
+            report["draft_to_target"] = medians["draft", c, n] / medians["target", c, n]
+        return report
 
     def to_json(self) -> dict:
         """The ordinary cost-table JSON of the current snapshots, plus the cells that go on learning."""

@@ -97,9 +97,11 @@ def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: Cos
         return table
     start = time.perf_counter()
     target_timer, draft_timer = probe_timers(target_model, drafter)
-    table.probe(target_timer, draft_timer, progress=progress)
+    report = table.probe(target_timer, draft_timer, progress=progress)
     if progress is not None:
         print(file=sys.stderr)
-    log(f"cost model: online, probed in {time.perf_counter() - start:.1f} s (no table for this setup yet); "
+    ratio = report.get("draft_to_target")
+    found = "" if ratio is None else f", a draft step costs {ratio:.3g} target forwards"
+    log(f"cost model: online, probed in {time.perf_counter() - start:.1f} s{found} (no table for this setup yet); "
         "every step refines it")
     return table

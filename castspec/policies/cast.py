@@ -112,6 +112,38 @@ class DraftingPayoff:
             self.weight += 1
 
 
+class Exploration:
+    """Drafting that the cost table prices out is tried now and then anyway. A table that is wrong about drafting
+    (its drafter points timed while the machine was busy, or seeded from another hour's profile) learns only from
+    steps that draft: without tries, one bad price would stand for a whole run.
+
+    A try comes after `gap` priced-out steps. It drafts one node and verifies it: the drafter's first forward
+    absorbs the `gap` tokens emitted since it last ran (that is the drafter's state kept current: for a draft
+    model a forward of gap + 1 tokens, for a lookup drafter next to nothing), then one one-token draft forward,
+    and the verify takes two tokens instead of one. Where the table is unsure of the one-token draft price
+    (`OnlineCostTable.draft_sure`: the cell was timed fewer than a few times, or recent timings disagree with the
+    table) the gap goes back to `every`; where it is sure, the gap doubles, up to `most`. So a drafter that never
+    pays costs, per step, its catch-up price per token (a draft model's per-token prefill cost) plus
+    (D1 + V) / `most` (D1: a one-token draft forward, V: one more verified token, both in AR steps) in the long
+    run, and (D1 + V) / `every` more while its price is being learned; a table wrong about the drafter gets a try
+    every `every` steps until the timings correct it."""
+
+    def __init__(self, every: int = 8, most: int = 256) -> None:
+        if every < 1 or most < every:
+            raise CastspecError("exploration: every >= 1 and most >= every")
+        self.every, self.most = every, most
+        self.gap, self.waited, self.tries = every, 0, 0
+
+    def due(self) -> bool:
+        """One priced-out step: whether it is this one's turn to try drafting."""
+        self.waited += 1
+        return self.waited >= self.gap
+
+    def tried(self, sure: bool) -> None:
+        self.waited, self.tries = 0, self.tries + 1
+        self.gap = min(self.most, 2 * self.gap) if sure else self.every
+
+
 class CastPolicy(Policy):
     name = "cast"
 
@@ -131,6 +163,9 @@ class CastPolicy(Policy):
         # the payoff gate is on wherever CAST adapts (auto or calibrated) unless asked otherwise: it is what keeps a
         # drafter that does not pay on this machine at AR's speed instead of below it
         self.payoff = DraftingPayoff() if (auto or calibrate if payoff is None else payoff) else None
+        # tries of drafting that the table prices out, where the table learns from them (auto mode reads prices)
+        self.exploration = Exploration() if auto and hasattr(costs, "draft_sure") else None
+        self._exploring = False
         self._step_price: float | None = None  # this step's price in AR steps so far; None: not drafting
         self.ratios: deque[float] = deque([1.0], maxlen=fifo_size)
         self.goodput = None  # tokens per second, measured (exponential average)
@@ -152,7 +187,8 @@ class CastPolicy(Policy):
         if seconds > 0:
             rate = tokens / seconds
             self.goodput = rate if self.goodput is None else 0.8 * self.goodput + 0.2 * rate
-        if self.payoff is not None:
+        # a try is priced by the very table it questions: its gain says nothing of what drafting pays
+        if self.payoff is not None and not self._exploring:
             self.payoff.observe(None if self._step_price is None else tokens - self._step_price)
         self._step_price = None
 
@@ -187,6 +223,8 @@ class CastPolicy(Policy):
         self.trace = {"context": ctx.context_length, "batch_size": ctx.batch_size, "layers": []}
         if self.payoff is not None:
             self.trace["drafting_payoff"] = round(self.payoff.expected, 4)
+        if self._exploring:
+            self.trace["exploring"] = {"try": self.exploration.tries, "next_gap": self.exploration.gap}
 
     def should_draft(self, ctx: StepContext) -> bool:
         """Auto mode: draft only if some chain could beat AR even at the best: d drafted tokens, all accepted,
@@ -196,6 +234,7 @@ class CastPolicy(Policy):
         (`DraftingPayoff`): the test above assumes every drafted token is accepted, so a drafter whose forwards
         cost a good share of a target step, or whose scores no calibration can fix, still costs its forwards;
         only skipping them stops that loss."""
+        self._exploring = False
         if self.payoff is not None and self.payoff.expected <= 0:
             return False
         if not self.auto:
@@ -205,14 +244,28 @@ class CastPolicy(Policy):
         # the first draft layer shares its forward with the catch-up of every token absorbed since the drafter
         # last ran: after skipped steps that forward is wider, and drafting must pay for it too
         first = self.costs.normalised_draft(b, c, max(1, ctx.pending))
-        return any(d > first + (d - 1) * step + self.costs.normalised_target(b, c, d + 1) - 1.0
-                   for d in range(1, min(self.max_depth, ctx.depth_limit) + 1))
+        if any(d > first + (d - 1) * step + self.costs.normalised_target(b, c, d + 1) - 1.0
+               for d in range(1, min(self.max_depth, ctx.depth_limit) + 1)):
+            return True
+        if self.exploration is not None and self.exploration.due():
+            self.exploration.tried(self.costs.draft_sure(b, c, 1))
+            self._exploring = True
+            return True
+        return False
 
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
         b = ctx.batch_size
         utilities = batch_utilities(scores, b)
         draft_context = ctx.context_length + self._drafted
         draft_costs = [self.costs.normalised_draft(b, draft_context, k) for k in range(1, len(utilities) + 1)]
+        if self._exploring:  # a try: expand the best first-layer node once (a one-token draft forward), then stop
+            width = 1 if layer == 1 and utilities and layer < ctx.depth_limit else 0
+            self.trace["layers"].append({"layer": layer, "candidates": len(utilities), "width": width,
+                                         "exploring": True})
+            if width:
+                self._drafted += 1
+                self._step_price += draft_costs[0]
+            return width
         costs = draft_costs
         if self.auto:
             # a drafted node only pays off once verified: charge its share of the verify forward as well
@@ -251,6 +304,8 @@ class CastPolicy(Policy):
         costs = [self.costs.normalised_target(b, ctx.context_length, k + 1) for k in range(1, len(utilities) + 1)]
         c3 = self.threshold("verify", scores, ctx)
         budget = select_max_valid_index(utilities, costs, c3, base_utility=0.0, base_cost=1.0)
+        if self._exploring:
+            budget = min(1, len(utilities))
         self._step_price += (costs[budget - 1] - 1.0) if budget else 0.0
         self.trace.update({"verify_budget": budget, "c3": c3, "verify_utilities": [round(u, 5) for u in
                                                                                   utilities[:32]],
