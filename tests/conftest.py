@@ -64,3 +64,14 @@ def random_head(smollm):
     for p in head.parameters():  # larger than the default init, so that the head's choices vary with its inputs
         p.data.normal_(0, 0.05)
     return head.eval()
+
+
+# Files that take minutes run first: pytest-xdist hands whole files to its workers in collection order, so a long
+# file collected last would leave one worker running it alone at the end.
+LONG_FILES = ("test_exactness.py", "test_serve.py", "test_sampling.py", "test_real_pair.py", "test_eagle_layouts.py",
+              "test_cli.py", "test_ray_serve.py", "test_suffix.py", "test_stepping.py", "test_with_ngram.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: each file keeps its order
