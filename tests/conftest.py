@@ -4,26 +4,12 @@ references, computed once per session."""
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
 from castspec.models import load_model
-
-
-def _threads_per_worker() -> int:
-    """Under pytest-xdist the cores are shared out among the workers (and the servers and CLI processes they start,
-    through OMP_NUM_THREADS): two workers with two threads each on two cores would spin against each other."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // workers) if workers > 1 else max(1, torch.get_num_threads())
-
-
-torch.set_num_threads(_threads_per_worker())
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
 @pytest.fixture(scope="session")
