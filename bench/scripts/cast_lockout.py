@@ -50,6 +50,33 @@ def run(label: str, engine: Engine, prompts: list[list[int]], max_new: int) -> d
     return row
 
 
+def plot(result: dict, out: str) -> None:
+    """Speed-up over AR per method, with the drafting steps (tries apart) written on each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    colours = ["#999999" if r["method"] == "ar" else "#4c72b0" if r["method"].startswith("cast") else "#dd8452"
+               for r in rows]
+    bars = ax.barh([r["method"] for r in rows], [r["speedup"] for r in rows], color=colours)
+    for bar, r in zip(bars, rows, strict=True):
+        ax.text(bar.get_width() + 0.02, bar.get_y() + bar.get_height() / 2,
+                f"{r['speedup']:.2f}x, drafted {r['drafting_steps'] - r['tries']}/{r['steps']} steps"
+                + (f" + {r['tries']} tries" if r["tries"] else ""), va="center", fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r["speedup"] for r in rows) * 1.6)
+    ax.set_xlabel("speed-up over AR (tokens/s, same prompts, one run)")
+    meta = result["meta"]
+    ax.set_title(f"{meta['model']} + {meta['draft']}, {meta['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+    plt.close(fig)
+
+
 def main(model: str, draft: str, factor: float, max_new: int, out: str) -> None:
     target, tokenizer = load_model(model, "bf16")
     draft_model, _ = load_model(draft, "bf16")
@@ -100,6 +127,7 @@ def main(model: str, draft: str, factor: float, max_new: int, out: str) -> None:
     lines += ["", f"Draft price (one-token draft forward in target steps at c=256): {last['draft_price_at_start']} "
                   f"at the start of the x{factor:g} run, {last['draft_price_at_end']} at its end."]
     Path(out + ".md").write_text("\n".join(lines) + "\n")
+    plot(result, out)
     print("\n".join(lines))
 
 
