@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from castspec.costs.table import CostGrid, CostTable
+from castspec.costs.table import CostGrid, CostTable, Timer
 from castspec.errors import CastspecError
 
 BATCH_AXIS = [1, 2, 4, 8, 16, 32, 64]
@@ -290,8 +290,6 @@ class LearnedCurve:
                         self.cells[key] = [math.log(max(grid(b, c, n), 1e-9)), weight]
         self._refit()
 
-
-Timer = Callable[[int, int, int], float]
 
 
 class OnlineCostTable(CostTable):
