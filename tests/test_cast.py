@@ -365,7 +365,7 @@ def simulate(policy: CastPolicy, drafter: TimedDrafter, steps: int, accept_all: 
 
 def test_a_table_twenty_times_too_pessimistic_about_drafting_is_corrected_by_tries():
     """The lock-out seen on a fresh machine: drafting priced 20x its cost is never done, so it is never timed.
-    Tries re-time the drafter until the table agrees with the timings, and CAST then drafts on its own."""
+    Tries re-time the drafter; timings well below the table move it at once, and CAST then drafts on its own."""
     def draft_seconds(n):
         return 0.01 + 0.001 * n
 
@@ -374,7 +374,9 @@ def test_a_table_twenty_times_too_pessimistic_about_drafting_is_corrected_by_tri
     assert not policy.should_draft(StepContext(1, 64))  # priced out, as in the issue
     log = simulate(policy, TimedDrafter(draft_seconds), 300, accept_all=True)
     first = next(i for i, step in enumerate(log) if step["drafted"] and not step["exploring"])
-    assert first <= 150, f"CAST drafted on its own only from step {first}"
+    # two tries (one every 8 steps) time two draft cells twice each, well below the table: the curve moves down
+    # as a whole (`LearnedCurve._follow_drops`); before that path it took 150 steps
+    assert first <= 3 * policy.exploration.every, f"CAST drafted on its own only from step {first}"
     assert sum(step["drafted"] for step in log[first:]) >= 0.9 * len(log[first:])
     assert costs.normalised_draft(1, 64, 1) < 0.5  # the table now says what drafting costs (0.11 AR steps)
 

@@ -93,6 +93,61 @@ def test_a_sustained_slowdown_is_followed_within_the_window():
     assert curve(64, 16384, 256) == pytest.approx(2 * trained()(64, 16384, 256), rel=0.15)
 
 
+def _settled_cell(curve: LearnedCurve) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    key = max(curve.cells, key=lambda k: curve.cells[k][1])
+    return key, (BATCH_AXIS[key[0]], CONTEXT_AXIS[key[1]], TOKEN_AXIS[key[2]])
+
+
+def test_a_cell_timed_while_the_machine_was_busy_is_corrected_by_two_faster_timings():
+    """The probe's cold forward of the issue: one cell ten times too slow. Load only adds time, so two timings in a
+    row well below the cell move it at once; no other cell moves, and the curve as a whole does not shift."""
+    curve = trained()
+    key, (b, c, n) = _settled_cell(curve)
+    curve.cells[key][0] += math.log(10)
+    curve._grid = None
+    others = {k: v[0] for k, v in curve.cells.items() if k != key}
+    curve.observe(b, c, n, truth(b, c, n))
+    assert curve.cells[key][0] > math.log(truth(b, c, n)) + 1.0  # one fast timing alone might be luck
+    curve.observe(b, c, n, truth(b, c, n) * 1.05)
+    assert curve(b, c, n) == pytest.approx(truth(b, c, n), rel=0.1)
+    assert {k: v[0] for k, v in curve.cells.items() if k != key} == others
+    assert curve.shifts == 0
+
+
+def test_one_fast_timing_moves_a_settled_cell_little():
+    curve = trained()
+    key, (b, c, n) = _settled_cell(curve)
+    before = curve.cells[key][0]
+    curve.observe(b, c, n, 0.5 * truth(b, c, n))
+    assert abs(curve.cells[key][0] - before) < 0.03
+
+
+def test_a_table_twenty_times_too_slow_is_followed_after_four_fast_timings_in_two_cells():
+    """A whole table too pessimistic (drafter timed under load, or a table scaled by hand): timings in two cells
+    move every cell, also the many no timing reached, down within `quick` observations."""
+    curve = LearnedCurve()
+    tokens, contexts = [1, 2, 4, 8, 16, 32, 64], [64, 256, 1024, 4096]
+    curve.seed_from(CostGrid([1, 4], contexts, tokens,
+                             [[[20 * truth(b, c, n) for n in tokens] for c in contexts] for b in (1, 4)]))
+    assert errors(curve)[150] > 10
+    for n in (1, 8, 1, 8):
+        curve.observe(1, 64, n, truth(1, 64, n))
+    assert curve.shifts == 1
+    assert errors(curve)[150] < 0.2
+    assert errors(curve)[285] < 0.6
+
+
+def test_a_faster_timing_in_one_cell_only_does_not_move_the_curve():
+    """Fast timings from a single cell (its own cold probe) correct that cell, never the whole table."""
+    curve = trained()
+    key, (b, c, n) = _settled_cell(curve)
+    curve.cells[key][0] += math.log(10)
+    for _ in range(6):
+        curve.observe(b, c, n, truth(b, c, n))
+    assert curve.shifts == 0
+    assert errors(curve)[150] < 0.05
+
+
 def test_unseen_cells_are_filled_monotonically():
     curve, rng = LearnedCurve(), random.Random(3)
     for _ in range(400):  # only B = 1 and B = 8, a few contexts

@@ -9,8 +9,9 @@ times the residual of the cells seen near them, and the grid handed to CAST is m
 n. A sustained departure of the measurements from the predictions (the median of the last `window` residuals
 beyond `shift` on a log scale, most of them on the same side) moves every cell and the prior at once: the table
 follows a neighbour's load or a clock change within `window` observations (smaller departures are learned cell by
-cell), while a single slow step changes
-nothing but its own cell, and that by little.
+cell), while a single slow step changes nothing but its own cell, and that by little. Timings well below the
+table are believed sooner than timings above it (load only adds time): two in a row correct a cell, `quick` in a
+row over two cells or more move the whole curve down.
 
 `OnlineCostTable` is a `CostTable` whose grids are snapshots of the two curves, refreshed every few
 observations; it starts from a short probe of the running setup, from a profiled table, or from what an earlier
@@ -90,14 +91,20 @@ class LearnedCurve:
 
     def __init__(self, rate: float = 0.05, clip: float = 0.1, window: int = 12, shift: float = 0.3,
                  agreement: float = 0.75, refresh_every: int = 8, max_weight: float = 1000.0,
-                 settled: float = 4.0) -> None:
-        if not 0 < rate <= 1 or clip <= 0 or window < 3 or shift <= 0:
-            raise CastspecError("online cost model: rate in (0, 1], positive clip and shift, window >= 3")
+                 settled: float = 4.0, quick: int = 4) -> None:
+        if not 0 < rate <= 1 or clip <= 0 or window < 3 or shift <= 0 or quick < 2:
+            raise CastspecError("online cost model: rate in (0, 1], positive clip and shift, window >= 3, "
+                                "quick >= 2")
         self.rate, self.clip, self.window, self.shift, self.agreement = rate, clip, window, shift, agreement
-        self.refresh_every, self.max_weight, self.settled = refresh_every, max_weight, settled
+        self.refresh_every, self.max_weight, self.settled, self.quick = refresh_every, max_weight, settled, quick
         self.cells: dict[tuple[int, int, int], list[float]] = {}  # cell -> [log seconds, weight]
         self.coef: list[float] | None = None
         self.residuals: deque[float] = deque(maxlen=window)
+        # the faster-than-the-table path (`_take_drop`, `_follow_drops`): each cell's last timing if it was well
+        # below the cell, the last `quick` departures from existing cells, and when a timing last agreed with a cell
+        self._low: dict[tuple[int, int, int], float] = {}
+        self._recent: deque[tuple[tuple[int, int, int], float]] = deque(maxlen=quick)
+        self._vouched: dict[tuple[int, int, int], int] = {}
         self.observations = self.shifts = 0
         self._grid: CostGrid | None = None
         self._stale = 0
@@ -222,6 +229,8 @@ class LearnedCurve:
         cell = self.cells.get(key)
         if cell is None:
             self.cells[key] = [x, 1.0]
+        elif self._take_drop(key, cell, x):
+            pass
         else:
             # a young cell (a probe, a seeded profile point) is a guess: it moves fast and far; a settled one by
             # at most rate * clip, whatever the timing
@@ -233,7 +242,54 @@ class LearnedCurve:
         self._stale += 1
         if self.coef is None or (cell is None and len(self.cells) <= 32) or self.observations % 32 == 0:
             self._refit()  # the prior's shape matters most while few cells are known
+        self._follow_drops()
         self._follow()
+
+    def _take_drop(self, key: tuple[int, int, int], cell: list[float], x: float) -> bool:
+        """Load only ever adds time: a timing well below what a cell says (by more than `shift` in log) shows the
+        machine's own speed through a cell that was timed while the machine was busy, or seeded from another
+        hour's table. Two such timings in a row move the cell to the slower of them at once (returns True); the
+        Huber step would take dozens. Slow timings get no such path: they are what a burst of load looks like,
+        and a table too optimistic corrects itself anyway, since what it prices cheap gets run and timed.
+        Records the departure for `_follow_drops`."""
+        departure = x - cell[0]
+        self._recent.append((key, departure))
+        if departure >= -self.shift:
+            self._low.pop(key, None)
+            if departure <= self.shift:
+                self._vouched[key] = self.observations
+            return False
+        previous = self._low.pop(key, None)
+        if previous is None:
+            self._low[key] = x
+            return False
+        cell[0] = max(x, previous)
+        cell[1] = min(cell[1] + 1.0, self.max_weight)
+        self._vouched[key] = self.observations
+        self._grid = None
+        return True
+
+    def _follow_drops(self) -> None:
+        """Move the curve down at once when the last `quick` timings of known cells were all well below them, in
+        at least two different cells: the whole table was too slow (a table scaled up, a profile taken under load),
+        not one cell. It moves by the smallest of those departures, and cells a timing vouched for (agreed with,
+        or just moved) within the last `window` observations stay where they are."""
+        if len(self._recent) < self.quick or len({key for key, _ in self._recent}) < 2:
+            return
+        if any(departure >= -self.shift for _, departure in self._recent):
+            return
+        move = max(departure for _, departure in self._recent)
+        recent = self.observations - self.window
+        for key, cell in self.cells.items():
+            if self._vouched.get(key, -math.inf) <= recent:
+                cell[0] += move
+        if self.coef is not None:
+            self.coef = [k * math.exp(move) for k in self.coef]
+        self._recent.clear()
+        self._low.clear()
+        self.residuals.clear()
+        self.shifts += 1
+        self._grid = None
 
     def _follow(self) -> None:
         """Move the whole curve when the last `window` timings sit on one side of it."""
