@@ -114,6 +114,27 @@ def test_auto_mode_follows_the_measured_goodput():
     assert before > after
 
 
+def test_auto_thresholds_do_not_depend_on_the_tables_clock():
+    """The busy-server mystery: auto mode compared tokens per wall second times the table's AR seconds with
+    utilities per table cost. A table whose seconds were 30x this machine's made the threshold 30x too high and
+    CAST drafted nothing. The goodput is now read in table prices, so scaling a table's seconds (target and
+    drafter alike) changes no decision, whatever the wall clock says."""
+    def scaled(factor):
+        base = table(0.02, 0.05)
+        return CostTable({"target": {}}, *(CostGrid(g.batch_sizes, g.contexts, g.tokens,
+                                                     [[[factor * x for x in row] for row in plane]
+                                                      for plane in g.seconds]) for g in (base.target, base.draft)))
+
+    trees = []
+    for factor in (1.0, 30.0):
+        policy = CastPolicy(scaled(factor), auto=True)
+        for _ in range(12):
+            size, record = grown(policy)
+            policy.observe(1 + size // 2, 0.03)  # wall seconds of a fast machine, not the table's
+        trees.append((size, record.depth, policy.threshold("verify", None, StepContext(1, 16))))
+    assert trees[0] == trees[1] and trees[0][0] > 0
+
+
 def test_depth_pruning_stops_when_layers_stop_paying():
     cheap = CastPolicy(table(0.001, 0.001), c1=0.5, c2=0.5, c3=0.5, max_depth=6)
     _, record = grown(cheap)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -251,8 +252,13 @@ def test_demo_probes_costs_once_then_goes_on_from_what_it_learned(tmp_path, monk
     assert main(demo) == 0
     captured = capsys.readouterr()
     assert "cost model: online, probed in" in captured.err and "`cast:draft`" in captured.out
-    tables = list((tmp_path / "costs").glob("online-*.json"))
-    assert len(tables) == 1 and json.loads(tables[0].read_text())["online"]["target"]["observations"] > 5
+    # CAST raced against the fixed trees over each drafter, with a line on what it chose
+    assert "CAST over draft: " in captured.out and "CAST over ngram: " in captured.out
+    assert re.search(r"CAST over draft: [\d.]+x AR, [\d.]+x the best fixed tree over the same drafter "
+                     r"\((chain|eagle2):draft", captured.out)
+    tables = list((tmp_path / "costs").glob("online-*.json"))  # one learned table per drafter
+    assert len(tables) == 2
+    assert all(json.loads(t.read_text())["online"]["target"]["observations"] > 5 for t in tables)
     assert main(demo) == 0  # the second demo goes on from the saved, learned table
     assert "going on from" in capsys.readouterr().err
     assert main(["demo", "--model", model_dir, "--draft", "none"]) == 2

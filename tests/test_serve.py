@@ -163,11 +163,12 @@ def busy_server(tmp_path_factory):
     table = tmp_path_factory.mktemp("costs") / "flat.json"
     flat_costs().save(table)
     log = tmp_path_factory.mktemp("logs") / "busy.log"
-    # fixed thresholds over a fixed table, so that whether CAST drafts depends on the drafts alone: auto mode's
-    # thresholds follow measured goodput, and on a loaded 2-core machine CAST drafted nothing in the whole of this
-    # short test in two CI runs and two runs out of seven here; this test is about batching and cancelling
+    # CAST in its default auto mode over a fixed table on which drafting is cheap. Auto mode once drafted nothing
+    # here in two CI runs and two runs out of seven: its goodput was tokens per wall second times the table's AR
+    # seconds (1 s here, ~30x this machine's), so every threshold came out ~30x too high; it is now read in the
+    # table's own prices (test_cast.py: test_auto_thresholds_do_not_depend_on_the_tables_clock)
     with live_server("--drafter", "ngram", "--method", "cast", "--cost-table", str(table), "--force-table",
-                     "--cost-model", "fixed", "--cast-mode", "paper", "--max-batch-size", "8", "--max-waiting", "64",
+                     "--cost-model", "fixed", "--max-batch-size", "8", "--max-waiting", "64",
                      log_path=log) as base:
         yield base
 

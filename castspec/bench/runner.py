@@ -310,6 +310,7 @@ def _run(runner, ids: list[int], max_new_tokens: int, sampling: SamplingParams |
         extra = {"steps": len(g.steps), "mean_accepted": g.mean_accepted,
                  "mean_tree_size": statistics.fmean(s.tree_size for s in g.steps) if g.steps else 0.0,
                  "mean_depth": statistics.fmean(s.draft.depth for s in g.steps) if g.steps else 0.0,
+                 "drafting_steps": sum(s.tree_size > 0 for s in g.steps),
                  "draft_s": sum(s.draft_s for s in g.steps), "verify_s": sum(s.verify_s for s in g.steps)}
         return g.output_ids, wall, extra
     output, _ = runner.generate(ids, max_new_tokens, sampling)
@@ -336,6 +337,8 @@ def summarise(rows: list[dict], compare_outputs: bool = True) -> list[dict]:
                 row["tau"] = round(sum(r["new_tokens"] - 1 for r in mine) / steps, 3) if steps else None
                 row["mean_tree_size"] = round(statistics.fmean(r["mean_tree_size"] for r in mine), 2)
                 row["mean_depth"] = round(statistics.fmean(r["mean_depth"] for r in mine), 2)
+                if steps and all("drafting_steps" in r for r in mine):
+                    row["drafted_share"] = round(sum(r["drafting_steps"] for r in mine) / steps, 3)
             if ar and compare_outputs:
                 row["same_as_ar"] = sum(r["output_ids"] == ar[r["prompt_id"]]["output_ids"] for r in mine)
             out.append(row)

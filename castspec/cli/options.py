@@ -26,7 +26,7 @@ def policy_args(p: argparse.ArgumentParser) -> None:
                    help="cast: learn the costs from every step, starting from a saved or profiled table or a "
                         "few-second probe (online, default), or read a profiled table as it is (fixed)")
     g.add_argument("--cast-mode", choices=["auto", "paper"], default="auto",
-                   help="cast: thresholds from the measured goodput (auto) or fixed C1/C2/C3 (paper)")
+                   help="cast: thresholds from the goodput of recent steps (auto) or fixed C1/C2/C3 (paper)")
     g.add_argument("--cast-c1", type=float, default=4.0, help="cast paper mode: breadth threshold")
     g.add_argument("--cast-c2", type=float, default=3.0, help="cast paper mode: depth threshold")
     g.add_argument("--cast-c3", type=float, default=2.5, help="cast paper mode: verify threshold")

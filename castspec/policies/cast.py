@@ -168,25 +168,26 @@ class CastPolicy(Policy):
         self._exploring = False
         self._step_price: float | None = None  # this step's price in AR steps so far; None: not drafting
         self.ratios: deque[float] = deque([1.0], maxlen=fifo_size)
-        self.goodput = None  # tokens per second, measured (exponential average)
+        self.goodput = None  # tokens per AR step's price, over recent steps (exponential average)
         self.trace: dict = {}
-        self._ar_seconds = 1.0
 
     # ---- thresholds ---------------------------------------------------------------------------------------
 
     def threshold(self, which: str, scores: torch.Tensor, ctx: StepContext) -> float:
-        """C1 (breadth), C2 (depth) or C3 (verify). Auto: the measured goodput in tokens per AR-step time,
+        """C1 (breadth), C2 (depth) or C3 (verify). Auto: the goodput of recent steps in tokens per AR step,
         never below 1 (plain AR's own goodput)."""
         if not self.auto:
             return {"breadth": self.c1, "depth": self.c2, "verify": self.c3}[which]
-        if self.goodput is None:
-            return 1.0
-        return max(1.0, self.goodput * self._ar_seconds)
+        return 1.0 if self.goodput is None else max(1.0, self.goodput)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            rate = tokens / seconds
-            self.goodput = rate if self.goodput is None else 0.8 * self.goodput + 0.2 * rate
+        # the goodput is read in the units of every utility / cost ratio it is compared with: tokens per step price
+        # from the same cost table (an AR step costs 1). Tokens per wall second times the table's AR seconds mixed
+        # two clocks: under a table whose seconds are not this machine's (a profile of another hour, a synthetic
+        # one), the threshold came out many times too high and CAST drafted nothing.
+        price = 1.0 if self._step_price is None else self._step_price
+        rate = tokens / price
+        self.goodput = rate if self.goodput is None else 0.8 * self.goodput + 0.2 * rate
         # a try is priced by the very table it questions: its gain says nothing of what drafting pays
         if self.payoff is not None and not self._exploring:
             self.payoff.observe(None if self._step_price is None else tokens - self._step_price)
@@ -213,7 +214,6 @@ class CastPolicy(Policy):
     # ---- decisions ----------------------------------------------------------------------------------------
 
     def start_step(self, ctx: StepContext) -> None:
-        self._ar_seconds = self.costs.f_target(ctx.batch_size, ctx.context_length, 1)
         self._layer_utility: float | None = None
         self._drafted = 0
         # the first draft forward absorbs every token accepted since the drafter last ran; verifying nothing

@@ -1,0 +1,122 @@
+"""`castspec demo` as a newcomer runs it, from N empty $CASTSPEC_HOMEs in a row (issue 37's bar: CAST over the draft
+model >= 0.95x the best fixed draft-model tree of the same run, with drafted nodes > 0, every time).
+
+Each run is a fresh process with a new home holding only a link to the fetched models (no cost tables: CAST starts
+from a probe). Writes NAME.json (every row of every run), NAME.md (one table per run plus the bar) and NAME.png.
+
+Run: .venv/bin/python bench/scripts/demo_homes.py 3 bench/demo/NAME [extra castspec demo arguments]"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from castspec.costs.table import machine_label
+
+ROW = re.compile(r"^\| all \| `(?P<method>[^`]+)` \| (?P<tps>[\d.]+) \| (?P<speedup>[\d.]+)x \| (?P<tau>[\d.-]+) \| "
+                 r"(?P<size>[\d.-]+) \| (?P<depth>[\d.-]+) \|")
+
+
+def one_run(models: Path, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as home:
+        (Path(home) / "models").symlink_to(models)
+        env = {**os.environ, "CASTSPEC_HOME": home}
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "castspec.cli", "demo", *extra], env=env, text=True,
+                              capture_output=True)
+        wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"castspec demo failed:\n{proc.stderr[-3000:]}")
+    rows = [{"method": m["method"], "tokens_per_s": float(m["tps"]), "speedup": float(m["speedup"]),
+             "tau": _number(m["tau"]), "mean_tree_size": _number(m["size"]), "mean_depth": _number(m["depth"])}
+            for m in map(ROW.match, proc.stdout.splitlines()) if m]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("CAST over ")]
+    probe = re.search(r"probed in ([\d.]+) s, a draft step costs ([\d.]+) target forwards", proc.stderr)
+    return {"rows": rows, "cast_lines": lines, "wall_s": round(wall, 1),
+            "probe": {"seconds": float(probe[1]), "draft_to_target": float(probe[2])} if probe else None}
+
+
+def _number(text: str) -> float | None:
+    return None if text == "-" else float(text)
+
+
+def bar(run: dict, drafter: str = "draft") -> dict:
+    by = {r["method"]: r for r in run["rows"]}
+    cast = by[f"cast:{drafter}"]
+    fixed = [r for m, r in by.items() if m.split(":")[:2] in (["chain", drafter], ["eagle2", drafter])]
+    best = max(fixed, key=lambda r: r["speedup"])
+    return {"drafter": drafter, "cast": cast["speedup"], "best_fixed": best["method"],
+            "best_fixed_speedup": best["speedup"], "ratio": round(cast["speedup"] / best["speedup"], 3),
+            "drafted": (cast["mean_tree_size"] or 0) > 0}
+
+
+def plot(result: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    methods = [r["method"] for r in runs[0]["rows"]]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(methods) + 1.5))
+    height = 0.8 / len(runs)
+    for k, run in enumerate(runs):
+        by = {r["method"]: r["speedup"] for r in run["rows"]}
+        ax.barh([i + k * height for i in range(len(methods))], [by.get(m, 0) for m in methods], height=height,
+                label=f"home {k + 1}", color=["#4c72b0", "#55a868", "#c44e52", "#8172b2"][k % 4])
+    ax.set_yticks([i + height * (len(runs) - 1) / 2 for i in range(len(methods))], methods, fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up over AR (tokens/s, same prompts, each run its own AR)")
+    ax.set_title(f"castspec demo from {len(runs)} empty homes, {result['meta']['machine']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+    plt.close(fig)
+
+
+def main(count: int, out: str, extra: list[str]) -> None:
+    models = Path(os.environ.get("CASTSPEC_HOME", Path.home() / ".cache" / "castspec")) / "models"
+    runs = []
+    for k in range(count):
+        print(f"demo {k + 1}/{count} from an empty home ...", file=sys.stderr, flush=True)
+        runs.append(one_run(models, extra))
+        runs[-1]["bars"] = [bar(runs[-1], d) for d in ("draft", "ngram")]
+        print(json.dumps(runs[-1]["bars"]), file=sys.stderr, flush=True)
+    result = {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}, "runs": runs}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"# castspec demo from {count} empty homes, {result['meta']['machine']}", "",
+             f"`{result['meta']['command']}` ({result['meta']['date']}; each run a fresh process and an empty "
+             "$CASTSPEC_HOME: CAST starts from a probe)", "",
+             "| run | CAST over draft | best fixed draft tree | ratio | CAST over n-gram | best fixed n-gram tree | "
+             "ratio | probe |", "|---|---|---|---|---|---|---|---|"]
+    for k, run in enumerate(runs, start=1):
+        d, n = run["bars"]
+        probe = f"{run['probe']['seconds']} s" if run["probe"] else "-"
+        lines.append(f"| {k} | {d['cast']:.2f}x | {d['best_fixed_speedup']:.2f}x (`{d['best_fixed']}`) | "
+                     f"**{d['ratio']:.2f}** | {n['cast']:.2f}x | {n['best_fixed_speedup']:.2f}x (`{n['best_fixed']}`) "
+                     f"| **{n['ratio']:.2f}** | {probe} |")
+    for k, run in enumerate(runs, start=1):
+        lines += ["", f"## Run {k} ({run['wall_s']} s)", "",
+                  "| method | tok/s | speed-up | tau | verify size | depth |", "|---|---|---|---|---|---|"]
+        lines += [f"| `{r['method']}` | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['tau']} | "
+                  f"{r['mean_tree_size']} | {r['mean_depth']} |" for r in run["rows"]]
+        lines += [""] + run["cast_lines"]
+    Path(out + ".md").write_text("\n".join(lines) + "\n")
+    plot(result, out)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3:])
