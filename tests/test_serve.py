@@ -362,14 +362,20 @@ def test_bench_serve_flags_follow_the_method_items():
 
 def test_bench_serve_runs_end_to_end(tmp_path):
     """Two methods, two concurrency levels and one Poisson rate over real servers: every request answered,
-    outputs equal across methods, the server's batch sizes and trees reported."""
+    outputs equal across methods, the server's batch sizes and trees reported; both servers up at once and the
+    levels run against them in turn, in alternating order (so that the machine's drift hits both alike)."""
     from castspec.bench.prompts import load_prompt_set
     from castspec.bench.runner import parse_methods
     from castspec.bench.serving import run_bench_serve, save
 
     prompts = load_prompt_set("humaneval")[:2] + load_prompt_set("gsm8k")[:1]
+    lines = []
     result = run_bench_serve(MODEL, parse_methods("ar;eagle2:ngram:top_k=3,depth=3,total_tokens=8"), prompts, [1, 3],
-                             [2.0], 10, "fp32", 4, timeout_s=300, log=lambda line: None)
+                             [2.0], 10, "fp32", 4, timeout_s=300, log=lines.append)
+    measured = [line.split(": ")[0] for line in lines if "starting" not in line]
+    assert measured == ["[ar] concurrency=1", "[eagle2:ngram:top_k=3,depth=3,total_tokens=8] concurrency=1",
+                        "[eagle2:ngram:top_k=3,depth=3,total_tokens=8] concurrency=3", "[ar] concurrency=3",
+                        "[ar] rate=2.0", "[eagle2:ngram:top_k=3,depth=3,total_tokens=8] rate=2.0"]
     summary = result["summary"]
     assert [(s["method"], s["kind"], s["level"]) for s in summary] == [
         ("ar", "concurrency", 1), ("ar", "concurrency", 3), ("ar", "rate", 2.0),

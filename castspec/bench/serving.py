@@ -257,47 +257,74 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
                     rates: list[float], max_tokens: int, dtype: str, max_batch_size: int, draft: str | None = None,
                     head: str | None = None, timeout_s: float = 3600, replicas: list[int] | None = None,
                     replica_cpus: float = 1.0, log=print) -> dict:
-    """Every method's server in turn (with `replicas`: once per count, 0 = one process without Ray, N = N Ray
-    Serve replicas of `replica_cpus` CPUs and threads each), every level against it; returns rows and a summary."""
+    """Every level against every method's server; returns rows and a summary.
+
+    One process per method (no `replicas`): all the servers are started first, then each level runs against each
+    of them in turn, in alternating order (A B C, then C B A, ...), so that the machine's drift over minutes (on a
+    shared 2-core machine the same forward's time wanders by 20 % or more) hits every method alike instead of
+    deciding a ratio. With `replicas` (0 = one process without Ray, N = N Ray Serve replicas of `replica_cpus`
+    CPUs and threads each) the servers compete for the same CPUs, so they run one after another."""
     served = Path(model).name
-    rows = []
+    plans = [(spec, count) for spec in specs for count in (replicas or [None])]
+    levels = [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]
+    rows: list[tuple[int, int, dict]] = []
     with tempfile.TemporaryDirectory(prefix="castspec-bench-serve-") as tmp:
-        for spec, count in [(spec, count) for spec in specs for count in (replicas or [None])]:
+
+        def start(stack: contextlib.ExitStack, index: int, spec: MethodSpec, count: int | None) -> dict:
             label = _label(spec, count)
-            trace = Path(tmp) / f"{len(rows)}-trace.jsonl"
+            trace = Path(tmp) / f"{index}-trace.jsonl"
             args = [*server_args(spec, draft, head), "--max-batch-size", str(max_batch_size), "--trace", str(trace),
                     "--served-model-name", served]
             if count:
                 args += ["--replicas", str(count), "--replica-cpus", str(replica_cpus)]
             log(f"[{label}] starting castspec serve {' '.join(args)}")
-            with launch_server(model, args, Path(tmp) / f"{len(rows)}.log", dtype) as base:
-                for _ in range(max(1, count or 1)):  # warm-up: every replica probably gets one
-                    asyncio.run(at_concurrency(base, served, prompts[:1], 1, 4, timeout_s))
-                seen: dict[Path, int] = {}
-                _read_traces(trace, seen)
-                levels = [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]
-                for kind, value in levels:
-                    if count:
-                        time.sleep(PUSH_EVERY_S + 0.5)
-                    before, start = scrape(base), time.perf_counter()
-                    level = (at_concurrency if kind == "concurrency" else at_rate)(base, served, prompts, value,
-                                                                                    max_tokens, timeout_s)
-                    try:
-                        records = asyncio.run(level)
-                    except TimeoutError:  # the level is reported as failed; the run goes on
-                        records = [RequestRecord(p["id"], start, error=f"level timed out after {timeout_s:.0f} s")
-                                   for p in prompts]
-                    wall = time.perf_counter() - start
-                    if count:  # every replica's metrics snapshot taken after the level's last request
-                        time.sleep(PUSH_EVERY_S + 0.5)
-                    row = {"method": label, "spec": spec.label, "replicas": count, "kind": kind, "level": value,
-                           **summarise_level(records, wall, before, scrape(base), _read_traces(trace, seen)),
-                           "records": [asdict(r) for r in records]}
-                    rows.append(row)
-                    log(f"[{label}] {kind}={value}: {row['throughput_tok_s']} tok/s, mean batch "
-                        f"{_fmt(row['mean_batch_size'])}, mean tree {_fmt(row['mean_tree_size'])}, tau "
-                        f"{_fmt(row['tau'])}, tree by B {row['tree_size_by_batch']}, errors {len(row['errors'])}")
-    return {"rows": rows, "summary": summarise_runs(rows)}
+            base = stack.enter_context(launch_server(model, args, Path(tmp) / f"{index}.log", dtype))
+            for _ in range(max(1, count or 1)):  # warm-up: every replica probably gets one
+                asyncio.run(at_concurrency(base, served, prompts[:1], 1, 4, timeout_s))
+            server = {"index": index, "label": label, "spec": spec, "count": count, "trace": trace, "base": base,
+                      "seen": {}}
+            _read_traces(trace, server["seen"])
+            return server
+
+        def measure(server: dict, level_index: int) -> None:
+            kind, value = levels[level_index]
+            base, count = server["base"], server["count"]
+            if count:
+                time.sleep(PUSH_EVERY_S + 0.5)
+            before, started = scrape(base), time.perf_counter()
+            level = (at_concurrency if kind == "concurrency" else at_rate)(base, served, prompts, value, max_tokens,
+                                                                            timeout_s)
+            try:
+                records = asyncio.run(level)
+            except TimeoutError:  # the level is reported as failed; the run goes on
+                records = [RequestRecord(p["id"], started, error=f"level timed out after {timeout_s:.0f} s")
+                           for p in prompts]
+            wall = time.perf_counter() - started
+            if count:  # every replica's metrics snapshot taken after the level's last request
+                time.sleep(PUSH_EVERY_S + 0.5)
+            row = {"method": server["label"], "spec": server["spec"].label, "replicas": count, "kind": kind,
+                   "level": value, **summarise_level(records, wall, before, scrape(base),
+                                                     _read_traces(server["trace"], server["seen"])),
+                   "records": [asdict(r) for r in records]}
+            rows.append((server["index"], level_index, row))
+            log(f"[{server['label']}] {kind}={value}: {row['throughput_tok_s']} tok/s, mean batch "
+                f"{_fmt(row['mean_batch_size'])}, mean tree {_fmt(row['mean_tree_size'])}, tau "
+                f"{_fmt(row['tau'])}, tree by B {row['tree_size_by_batch']}, errors {len(row['errors'])}")
+
+        if replicas is None:
+            with contextlib.ExitStack() as stack:
+                servers = [start(stack, i, spec, count) for i, (spec, count) in enumerate(plans)]
+                for level_index in range(len(levels)):
+                    for server in servers if level_index % 2 == 0 else servers[::-1]:
+                        measure(server, level_index)
+        else:
+            for i, (spec, count) in enumerate(plans):
+                with contextlib.ExitStack() as stack:
+                    server = start(stack, i, spec, count)
+                    for level_index in range(len(levels)):
+                        measure(server, level_index)
+    ordered = [row for _, _, row in sorted(rows, key=lambda r: (r[0], r[1]))]  # per method, its levels in order
+    return {"rows": ordered, "summary": summarise_runs(ordered)}
 
 
 def summarise_runs(rows: list[dict]) -> list[dict]:
