@@ -4,11 +4,16 @@ model >= 0.95x the best fixed draft-model tree of the same run, with drafted nod
 Each run is a fresh process with a new home holding only a link to the fetched models (no cost tables: CAST starts
 from a probe). Writes NAME.json (every row of every run), NAME.md (one table per run plus the bar) and NAME.png.
 
+With SEED_COSTS=DIR and DRAFT_X=F in the environment, every home starts instead with a copy of the learned tables
+in DIR (`$CASTSPEC_HOME/costs` of an earlier run on this machine) whose drafter cells are F times too slow: what a
+table learned while the machine was busy looks like (the bar there: CAST >= 0.9x the best fixed tree).
+
 Run: .venv/bin/python bench/scripts/demo_homes.py 3 bench/demo/NAME [extra castspec demo arguments]"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -24,9 +29,26 @@ ROW = re.compile(r"^\| all \| `(?P<method>[^`]+)` \| (?P<tps>[\d.]+) \| (?P<spee
                  r"(?P<size>[\d.-]+) \| (?P<depth>[\d.-]+) \|")
 
 
+def seed_home(home: Path, source: Path, factor: float) -> list[dict]:
+    """Copy the learned tables in `source` into `home`, every drafter cell `factor` times slower."""
+    (home / "costs").mkdir()
+    seeded = []
+    for table in sorted(source.glob("online-*.json")):
+        data = json.loads(table.read_text())
+        for cell in data["online"]["draft"]["cells"]:
+            cell[3] += math.log(factor)  # [B, c, n, log seconds, weight]
+        (home / "costs" / table.name).write_text(json.dumps(data))
+        seeded.append({"table": table.name, "drafter": str(data["meta"].get("draft")),
+                       "cells": len(data["online"]["draft"]["cells"])})
+    return seeded
+
+
 def one_run(models: Path, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as home:
         (Path(home) / "models").symlink_to(models)
+        seeded = None
+        if os.environ.get("SEED_COSTS"):
+            seeded = seed_home(Path(home), Path(os.environ["SEED_COSTS"]), float(os.environ.get("DRAFT_X", "1")))
         env = {**os.environ, "CASTSPEC_HOME": home}
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "castspec.cli", "demo", *extra], env=env, text=True,
@@ -39,7 +61,7 @@ def one_run(models: Path, extra: list[str]) -> dict:
             for m in map(ROW.match, proc.stdout.splitlines()) if m]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("CAST over ")]
     probe = re.search(r"probed in ([\d.]+) s, a draft step costs ([\d.]+) target forwards", proc.stderr)
-    return {"rows": rows, "cast_lines": lines, "wall_s": round(wall, 1),
+    return {"rows": rows, "cast_lines": lines, "wall_s": round(wall, 1), "seeded": seeded,
             "probe": {"seconds": float(probe[1]), "draft_to_target": float(probe[2])} if probe else None}
 
 
@@ -75,7 +97,7 @@ def plot(result: dict, out: str) -> None:
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("speed-up over AR (tokens/s, same prompts, each run its own AR)")
-    ax.set_title(f"castspec demo from {len(runs)} empty homes, {result['meta']['machine']}", fontsize=9)
+    ax.set_title(f"castspec demo, {len(runs)} fresh processes, {result['meta']['machine']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=120)
@@ -90,13 +112,19 @@ def main(count: int, out: str, extra: list[str]) -> None:
         runs.append(one_run(models, extra))
         runs[-1]["bars"] = [bar(runs[-1], d) for d in ("draft", "ngram")]
         print(json.dumps(runs[-1]["bars"]), file=sys.stderr, flush=True)
-    result = {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                       "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}, "runs": runs}
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    if os.environ.get("SEED_COSTS"):
+        command = f"SEED_COSTS={os.environ['SEED_COSTS']} DRAFT_X={os.environ.get('DRAFT_X', '1')} " + command
+    result = {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "command": command},
+              "runs": runs}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out + ".json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"# castspec demo from {count} empty homes, {result['meta']['machine']}", "",
-             f"`{result['meta']['command']}` ({result['meta']['date']}; each run a fresh process and an empty "
-             "$CASTSPEC_HOME: CAST starts from a probe)", "",
+    homes = (f"homes seeded with drafter costs x{os.environ.get('DRAFT_X', '1')}" if os.environ.get("SEED_COSTS")
+             else "empty homes")
+    lines = [f"# castspec demo from {count} {homes}, {result['meta']['machine']}", "",
+             f"`{result['meta']['command']}` ({result['meta']['date']}; each run a fresh process and "
+             + ("a home seeded with learned tables whose drafter cells are x" + os.environ.get("DRAFT_X", "1")
+                if os.environ.get("SEED_COSTS") else "an empty $CASTSPEC_HOME: CAST starts from a probe") + ")", "",
              "| run | CAST over draft | best fixed draft tree | ratio | CAST over n-gram | best fixed n-gram tree | "
              "ratio | probe |", "|---|---|---|---|---|---|---|---|"]
     for k, run in enumerate(runs, start=1):

@@ -50,7 +50,7 @@ def cast_choices(rows: list[dict]) -> list[str]:
                      f"({best['method']}, {best['speedup']:.2f}x)")
         share = cast.get("drafted_share")
         if share is not None:
-            line += (f"; it drafted on {share:.0%} of its steps and verified {cast['mean_tree_size']:.1f} drafted "
-                     f"tokens to depth {cast['mean_depth']:.1f} per step on average, sized from this machine's costs")
+            line += (f"; it verified drafted tokens on {share:.0%} of its steps, {cast['mean_tree_size']:.1f} per step "
+                     f"to depth {cast['mean_depth']:.1f} on average, trees sized from this machine's measured costs")
         lines.append(line)
     return lines
