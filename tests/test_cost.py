@@ -178,3 +178,22 @@ def test_a_context_below_the_grid_costs_what_the_smallest_timed_one_did():
     grid = CostGrid([1], [32, 64], [1, 2], [[[1.0, 1.5], [3.0, 4.0]]])
     assert grid(1, 8, 1) == 1.0 and grid(1, 1, 2) == 1.5
     assert grid(1, 48, 1) == 2.0 and grid(1, 128, 1) >= 3.0
+
+
+def test_a_model_keeps_its_key_wherever_it_is_loaded_from(tmp_path):
+    """A table learned in one $CASTSPEC_HOME is found from another: the key hashed the folder the config was read
+    from, so the same model under two homes had two keys. Different weights or config still differ."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from castspec.costs.table import model_identity
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "a" / "tiny")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "tiny").symlink_to(tmp_path / "a" / "tiny")
+    one, two = (LlamaForCausalLM.from_pretrained(tmp_path / home / "tiny") for home in ("a", "b"))
+    assert one.config._name_or_path != two.config._name_or_path
+    assert model_identity(one) == model_identity(two)
+    config.num_hidden_layers = 2
+    assert model_identity(LlamaForCausalLM(config)) != model_identity(one)

@@ -6,7 +6,8 @@ from a probe). Writes NAME.json (every row of every run), NAME.md (one table per
 
 With SEED_COSTS=DIR and DRAFT_X=F in the environment, every home starts instead with a copy of the learned tables
 in DIR (`$CASTSPEC_HOME/costs` of an earlier run on this machine) whose drafter cells are F times too slow: what a
-table learned while the machine was busy looks like (the bar there: CAST >= 0.9x the best fixed tree).
+table learned while the machine was busy looks like (the bar there: CAST >= 0.9x the best fixed tree). Where DIR
+holds no tables yet, a first demo from an empty home learns them there (its rows are kept as `seed_run`).
 
 Run: .venv/bin/python bench/scripts/demo_homes.py 3 bench/demo/NAME [extra castspec demo arguments]"""
 
@@ -17,6 +18,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,17 +45,20 @@ def seed_home(home: Path, source: Path, factor: float) -> list[dict]:
     return seeded
 
 
-def one_run(models: Path, extra: list[str]) -> dict:
+def one_run(models: Path, extra: list[str], seed: Path | None = None, keep: Path | None = None) -> dict:
+    """One demo in a new home (seeded from `seed` when given); `keep`: copy the tables it learned there."""
     with tempfile.TemporaryDirectory() as home:
         (Path(home) / "models").symlink_to(models)
-        seeded = None
-        if os.environ.get("SEED_COSTS"):
-            seeded = seed_home(Path(home), Path(os.environ["SEED_COSTS"]), float(os.environ.get("DRAFT_X", "1")))
+        seeded = seed_home(Path(home), seed, float(os.environ.get("DRAFT_X", "1"))) if seed else None
         env = {**os.environ, "CASTSPEC_HOME": home}
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "castspec.cli", "demo", *extra], env=env, text=True,
                               capture_output=True)
         wall = time.perf_counter() - start
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for table in (Path(home) / "costs").glob("online-*.json"):
+                shutil.copy(table, keep / table.name)
     if proc.returncode != 0:
         sys.exit(f"castspec demo failed:\n{proc.stderr[-3000:]}")
     rows = [{"method": m["method"], "tokens_per_s": float(m["tps"]), "speedup": float(m["speedup"]),
@@ -106,17 +111,23 @@ def plot(result: dict, out: str) -> None:
 
 def main(count: int, out: str, extra: list[str]) -> None:
     models = Path(os.environ.get("CASTSPEC_HOME", Path.home() / ".cache" / "castspec")) / "models"
-    runs = []
+    runs, seed, seed_run = [], None, None
+    if os.environ.get("SEED_COSTS"):
+        seed = Path(os.environ["SEED_COSTS"])
+        if not list(seed.glob("online-*.json")):
+            print(f"learning the tables to seed from in {seed} (a demo from an empty home) ...", file=sys.stderr,
+                  flush=True)
+            seed_run = one_run(models, extra, keep=seed)
     for k in range(count):
-        print(f"demo {k + 1}/{count} from an empty home ...", file=sys.stderr, flush=True)
-        runs.append(one_run(models, extra))
+        print(f"demo {k + 1}/{count} ...", file=sys.stderr, flush=True)
+        runs.append(one_run(models, extra, seed=seed))
         runs[-1]["bars"] = [bar(runs[-1], d) for d in ("draft", "ngram")]
         print(json.dumps(runs[-1]["bars"]), file=sys.stderr, flush=True)
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     if os.environ.get("SEED_COSTS"):
         command = f"SEED_COSTS={os.environ['SEED_COSTS']} DRAFT_X={os.environ.get('DRAFT_X', '1')} " + command
     result = {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "command": command},
-              "runs": runs}
+              "runs": runs, "seed_run": seed_run}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     homes = (f"homes seeded with drafter costs x{os.environ.get('DRAFT_X', '1')}" if os.environ.get("SEED_COSTS")

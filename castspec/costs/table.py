@@ -55,10 +55,15 @@ def machine_label() -> str:
 
 
 def model_identity(model) -> str:
-    """Name plus a hash of the config and parameter count: two different models never share a key."""
-    config = model.config.to_json_string(use_diff=False)
+    """Name plus a hash of the config and parameter count: two different models never share a key, and the same
+    model loaded from another folder (another $CASTSPEC_HOME, a copy) keeps its key: the config's record of the
+    folder it was read from is left out of the hash (it once was not, and a table learned in one home was never
+    found from another)."""
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)
+    text = json.dumps(config, sort_keys=True, default=str)
     params = sum(p.numel() for p in model.parameters())
-    digest = hashlib.sha256(f"{config}|{params}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{text}|{params}".encode()).hexdigest()[:16]
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     return f"{Path(str(name)).name}#{digest}"
 
