@@ -137,6 +137,25 @@ def test_a_table_twenty_times_too_slow_is_followed_after_four_fast_timings_in_tw
     assert errors(curve)[285] < 0.6
 
 
+def test_two_cells_corrected_move_the_curve_even_when_visits_to_them_break_the_run_of_fast_timings():
+    """What a real decoder does with a table 20x too slow: tries time the same two cells again and again (a
+    one-token draft, a catch-up of the tokens since the last try) and new cells now and then. Once each of two
+    cells took two fast timings, every other cell follows; while the table is contradicted it is not `sure`."""
+    curve = LearnedCurve()
+    tokens, contexts = [1, 2, 4, 8, 16, 32, 64], [64, 256, 1024, 4096]
+    curve.seed_from(CostGrid([1], contexts, tokens, [[[20 * truth(1, c, n) for n in tokens] for c in contexts]]),
+                    weight=20.0)
+    assert curve.sure(1, 64, 1)
+    curve.observe(1, 64, 1, truth(1, 64, 1))
+    assert not curve.sure(1, 64, 1) and not curve.sure(1, 1024, 16)  # contradicted: tries must go on
+    curve.observe(1, 64, 1, truth(1, 64, 1))  # the one-token cell corrected; the next visit agrees with it
+    curve.observe(1, 64, 1, truth(1, 64, 1))
+    assert curve.shifts == 0 and errors(curve)[150] > 10
+    curve.observe(1, 64, 8, truth(1, 64, 8))
+    curve.observe(1, 64, 8, truth(1, 64, 8))  # a second cell corrected: the curve follows
+    assert curve.shifts == 1 and errors(curve)[150] < 0.25
+
+
 def test_a_faster_timing_in_one_cell_only_does_not_move_the_curve():
     """Fast timings from a single cell (its own cold probe) correct that cell, never the whole table."""
     curve = trained()

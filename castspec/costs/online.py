@@ -10,8 +10,8 @@ n. A sustained departure of the measurements from the predictions (the median of
 beyond `shift` on a log scale, most of them on the same side) moves every cell and the prior at once: the table
 follows a neighbour's load or a clock change within `window` observations (smaller departures are learned cell by
 cell), while a single slow step changes nothing but its own cell, and that by little. Timings well below the
-table are believed sooner than timings above it (load only adds time): two in a row correct a cell, `quick` in a
-row over two cells or more move the whole curve down.
+table are believed sooner than timings above it (load only adds time): two in a row correct a cell; two cells
+corrected, or `quick` in a row over two cells or more, move the whole curve down.
 
 `OnlineCostTable` is a `CostTable` whose grids are snapshots of the two curves, refreshed every few
 observations; it starts from a short probe of the running setup, from a profiled table, or from what an earlier
@@ -105,6 +105,7 @@ class LearnedCurve:
         self._low: dict[tuple[int, int, int], float] = {}
         self._recent: deque[tuple[tuple[int, int, int], float]] = deque(maxlen=quick)
         self._vouched: dict[tuple[int, int, int], int] = {}
+        self._jumps: dict[tuple[int, int, int], float] = {}  # cells moved down at once since the curve last moved
         self.observations = self.shifts = 0
         self._grid: CostGrid | None = None
         self._stale = 0
@@ -127,6 +128,10 @@ class LearnedCurve:
         key = (_nearest(BATCH_AXIS, b), _nearest(CONTEXT_AXIS, max(c, 1)), _nearest(TOKEN_AXIS, n))
         cell = self.cells.get(key)
         if cell is None or cell[1] < self.settled:
+            return False
+        # a cell whose last timing came in well below it, or recent timings of any cell far from the table, is
+        # being contradicted: not sure, however many timings it once took
+        if key in self._low or any(abs(departure) > self.shift for _, departure in self._recent):
             return False
         return len(self.residuals) < 3 or abs(statistics.median(self.residuals)) <= self.shift
 
@@ -249,9 +254,10 @@ class LearnedCurve:
         """Load only ever adds time: a timing well below what a cell says (by more than `shift` in log) shows the
         machine's own speed through a cell that was timed while the machine was busy, or seeded from another
         hour's table. Two such timings in a row move the cell to the slower of them at once (returns True); the
-        Huber step would take dozens. Slow timings get no such path: they are what a burst of load looks like,
-        and a table too optimistic corrects itself anyway, since what it prices cheap gets run and timed.
-        Records the departure for `_follow_drops`."""
+        Huber step would take dozens. Once two cells have been corrected so, the rest of the curve moves down by
+        the smaller correction (`_move_down`): the table as a whole was too slow. Slow timings get no such path:
+        they are what a burst of load looks like, and a table too optimistic corrects itself anyway, since what
+        it prices cheap gets run and timed. Records the departure for `_follow_drops`."""
         departure = x - cell[0]
         self._recent.append((key, departure))
         if departure >= -self.shift:
@@ -263,10 +269,14 @@ class LearnedCurve:
         if previous is None:
             self._low[key] = x
             return False
-        cell[0] = max(x, previous)
+        jump = max(x, previous) - cell[0]
+        cell[0] += jump
         cell[1] = min(cell[1] + 1.0, self.max_weight)
         self._vouched[key] = self.observations
+        self._jumps[key] = jump
         self._grid = None
+        if len(self._jumps) >= 2:  # two cells corrected down on evidence of their own: the rest follow
+            self._move_down(max(self._jumps.values()))
         return True
 
     def _follow_drops(self) -> None:
@@ -278,7 +288,10 @@ class LearnedCurve:
             return
         if any(departure >= -self.shift for _, departure in self._recent):
             return
-        move = max(departure for _, departure in self._recent)
+        self._move_down(max(departure for _, departure in self._recent))
+
+    def _move_down(self, move: float) -> None:
+        """Every cell no timing vouched for lately, and the prior, by `move` (< 0) on the log scale."""
         recent = self.observations - self.window
         for key, cell in self.cells.items():
             if self._vouched.get(key, -math.inf) <= recent:
@@ -287,6 +300,7 @@ class LearnedCurve:
             self.coef = [k * math.exp(move) for k in self.coef]
         self._recent.clear()
         self._low.clear()
+        self._jumps.clear()
         self.residuals.clear()
         self.shifts += 1
         self._grid = None
