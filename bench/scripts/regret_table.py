@@ -3,8 +3,16 @@ prompt, so every ratio is side by side): per drafter and prompt set, CAST's spee
 that column, and on the mix ('all') over every single fixed tree.
 
 Run: .venv/bin/python bench/scripts/regret_table.py bench/DIR/NAME.json bench/DIR/NAME-regret
-(writes NAME-regret.json, .md and .png). The bench run it reads is made with `castspec bench --methods` holding,
-per drafter, chain and EAGLE-2 grids and `cast:DRAFTER` (see bench/regret/README.md for the command)."""
+(writes NAME-regret.json, .md and .png). The bench run it reads holds, per drafter, chain and EAGLE-2 grids and
+`cast:DRAFTER`, e.g. (issue 37's grid, about 30 min on a 2-core CPU):
+
+    M=ar; for d in draft ngram suffix; do for L in 2 3 4 8 16; do M="$M;chain:$d:chain_length=$L"; done
+      M="$M;eagle2:$d:top_k=2,depth=3,total_tokens=6;eagle2:$d:top_k=4,depth=4,total_tokens=16;eagle2:$d;cast:$d"
+    done
+    CASTSPEC_HOME=$(mktemp -d) castspec bench --methods "$M" --sets mtbench,humaneval,gsm8k,repetitive \
+        --per-set 1 --max-new-tokens 48 --out-dir bench/regret --name NAME
+
+(an empty home holds no models: link its `models` to the fetched ones first, or let castspec fetch them)."""
 
 from __future__ import annotations
 
