@@ -172,6 +172,32 @@ def test_isotonic_fit_averages_an_outlier_instead_of_carrying_it():
     assert isotonic_plane(already) == already
 
 
+def test_weighted_isotonic_grid_is_the_weighted_fit_along_lines_and_monotone_in_3d():
+    import random
+
+    import torch
+
+    from castspec.costs.table import isotonic, isotonic_grid
+
+    rng = random.Random(0)
+    for _ in range(50):  # one axis: the same as pool-adjacent-violators
+        length = rng.randint(1, 18)
+        values, weights = [rng.gauss(0, 1) for _ in range(length)], [rng.uniform(0.01, 5) for _ in range(length)]
+        fit = isotonic_grid(torch.tensor(values, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64))
+        assert fit.tolist() == pytest.approx(isotonic(values, weights), abs=1e-9)
+    values = torch.randn(3, 5, 7, dtype=torch.float64).cumsum(2)
+    weights = torch.rand(3, 5, 7, dtype=torch.float64) + 0.01
+    fit = isotonic_grid(values, weights)
+    for dim in range(3):
+        assert (fit.diff(dim=dim) >= 0).all()
+    # a light point above heavy ones is pulled down to them; heavy points barely move
+    spike = torch.tensor([[1.0, 1.0, 5.0, 1.0]], dtype=torch.float64)
+    fit = isotonic_grid(spike, torch.tensor([[50.0, 50.0, 1.0, 50.0]], dtype=torch.float64))
+    assert fit[0, 2] < 1.1 and fit[0, 3] < 1.1
+    already = torch.tensor([[1.0, 2.0], [1.5, 2.5]], dtype=torch.float64)
+    assert torch.allclose(isotonic_grid(already, torch.rand(2, 2, dtype=torch.float64) + 0.1), already)
+
+
 def test_a_context_below_the_grid_costs_what_the_smallest_timed_one_did():
     # linear extrapolation down from a steep first segment reached zero: a free forward, and log(0) in the
     # online model's drift check (it killed a server's engine loop)

@@ -187,6 +187,29 @@ def test_unseen_cells_are_filled_monotonically():
         assert curve(4, c, n) == pytest.approx(truth(4, c, n), rel=0.25)
 
 
+def test_one_slow_timing_of_a_new_cell_does_not_raise_the_well_timed_cells_above_it():
+    # the demo's n-gram table: verifies cost ~1.1 AR steps wherever timed many times, but the probe's one timing
+    # of 4 tokens at c=64 came in 1.7x slow; the monotone fill carried it to every larger verify, which CAST then
+    # never ran, so it stayed (a verify of 8 tokens priced 1.7 AR steps for a whole run)
+    def flat(b, c, n):
+        return 0.2 * (1 + 0.01 * n) * b ** 0.3
+
+    curve = LearnedCurve()
+    for c, n, times in [(64, 1, 60), (128, 1, 60), (128, 3, 5), (128, 8, 5), (128, 16, 5)]:
+        for _ in range(times):
+            curve.observe(1, c, n, flat(1, c, n))
+    curve.observe(1, 64, 4, 1.7 * flat(1, 64, 4))
+    grid = curve.grid()
+    for n in (4, 8, 16):
+        assert grid(1, 100, n) / grid(1, 100, 1) < 1.25  # was 1.7 with a running maximum
+        assert grid(1, 128, n) == pytest.approx(flat(1, 128, n), rel=0.15)  # the fit gives it 1/6 of a say
+    assert grid(1, 64, 4) < 1.2 * flat(1, 64, 4)  # outvoted by the 65 timings around it, not believed
+    # the fill stays monotone, and the cell is still there to be corrected or confirmed by its own timings
+    for _ in range(20):
+        curve.observe(1, 64, 4, 1.7 * flat(1, 64, 4))
+    assert curve.grid()(1, 64, 4) > 1.4 * flat(1, 64, 4)
+
+
 def test_save_merge_and_reload(tmp_path):
     meta = {"target": {"device": "test"}, "draft": {"drafter": "ngram", "model": "ngram"}}
     path = learned_path(tmp_path, meta["target"], "ngram")

@@ -1,17 +1,17 @@
 """Online cost model: f(B, c, n) learned from the forwards the engine times, so that CAST needs no offline profile
 and follows the machine it runs on (docs/cost-model.md).
 
-Each model (target, drafter) has a `LearnedCurve`: cells on a fixed log-spaced grid over batch size B, context c
-and new tokens n, each holding a robust estimate of log-seconds. A timed forward updates its nearest cell, moved
-to the cell's centre along a prior shape (a non-negative fit a + b Bn + d Bc + e Bnc to what was seen), with a
-clipped (Huber) step, so one outlier moves a cell by at most `rate * clip`. Cells never seen take the prior
-times the residual of the cells seen near them, and the grid handed to CAST is made non-decreasing in B, c and
-n. A sustained departure of the measurements from the predictions (the median of the last `window` residuals
-beyond `shift` on a log scale, most of them on the same side) moves every cell and the prior at once: the table
-follows a neighbour's load or a clock change within `window` observations (smaller departures are learned cell by
-cell), while a single slow step changes nothing but its own cell, and that by little. Timings well below the
-table are believed sooner than timings above it (load only adds time): two in a row correct a cell; two cells
-corrected, or `quick` in a row over two cells or more, move the whole curve down.
+Each model (target, drafter) has a `LearnedCurve`: cells on a fixed log-spaced grid over batch size B, context c and
+new tokens n, each holding a robust estimate of log-seconds. A timed forward updates its nearest cell, moved to the
+cell's centre along a prior shape (a non-negative fit a + b Bn + d Bc + e Bnc to what was seen), with a clipped
+(Huber) step, so one outlier moves a cell by at most `rate * clip`. Cells never seen take the prior times the
+residual of the cells seen near them, and the grid handed to CAST is made non-decreasing in B, c and n by a fit in
+which each cell counts by its timings. A sustained departure of the measurements from the predictions (the median of
+the last `window` residuals beyond `shift` on a log scale, most of them on the same side) moves every cell and the
+prior at once: the table follows a neighbour's load or a clock change within `window` observations (smaller
+departures are learned cell by cell), while a single slow step changes nothing but its own cell, and that by little.
+Timings well below the table are believed sooner than timings above it (load only adds time): two in a row correct a
+cell; two cells corrected, or `quick` in a row over two cells or more, move the whole curve down.
 
 `OnlineCostTable` is a `CostTable` whose grids are snapshots of the two curves, refreshed every few
 observations; it starts from a short probe of the running setup, from a profiled table, or from what an earlier
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from castspec.costs.table import CostGrid, CostTable, Timer
+from castspec.costs.table import CostGrid, CostTable, Timer, isotonic_grid
 from castspec.errors import CastspecError
 
 BATCH_AXIS = [1, 2, 4, 8, 16, 32, 64]
@@ -88,6 +88,10 @@ def fit_prior(points: list[tuple[float, float, float, float, float]]) -> list[fl
 
 class LearnedCurve:
     """One model's forward latency, learned online (see the module docstring for the scheme)."""
+
+    # the monotone fit's weights: a seen cell's timings up to a cap (so that one cell's hundreds of timings do
+    # not freeze its neighbours), an unseen cell's guess from the prior next to nothing
+    fit_weight_cap, unseen_weight = 64.0, 0.05
 
     def __init__(self, rate: float = 0.05, clip: float = 0.1, window: int = 12, shift: float = 0.3,
                  agreement: float = 0.75, refresh_every: int = 8, max_weight: float = 1000.0,
@@ -165,19 +169,32 @@ class LearnedCurve:
         seen = tuple(keys.long().T)
         values[seen] = estimates
         values = self._transfer_batches(values, sorted({int(k) for k in keys[:, 0].tolist()}))
-        # monotone in B, c and n without letting a guess override a measurement: an unseen cell is held between
-        # the largest seen cell below it and the smallest seen cell above it (orthant max / min, separable along
-        # the axes); what the seen cells' own noise leaves non-monotone, a running maximum then removes
+        # monotone in B, c and n. First the seen cells among themselves, by a weighted least-squares fit (log
+        # seconds) in which a cell counts by its timings: a cell timed once (a probe point caught by a burst of
+        # load) is pulled into line by the well-timed cells around it instead of raising every larger cell to
+        # itself, as a running maximum did (one slow probe at c=64, n=4 priced every verify of 4 tokens or more
+        # at 1.7 AR steps for a whole run, and CAST never verified such trees, so nothing corrected it). The fit
+        # runs on the sub-grid the seen cells span (unseen cells in it have almost no say): a few hundred
+        # cells, not the whole grid. Then every unseen cell is held between the largest fitted cell below it
+        # and the smallest above it (orthant max / min, separable along the axes)
+        axes = [sorted({int(i) for i in keys[:, d].tolist()}) for d in range(3)]
+        span = torch.meshgrid(*(torch.tensor(a) for a in axes), indexing="ij")
+        sub_weights = torch.full(span[0].shape, self.unseen_weight, dtype=torch.float64)
+        position = [{index: k for k, index in enumerate(a)} for a in axes]
+        sub_seen = tuple(torch.tensor([position[d][int(i)] for i in keys[:, d].tolist()]) for d in range(3))
+        sub_weights[sub_seen] = torch.tensor([min(w, self.fit_weight_cap) for _, w in self.cells.values()],
+                                             dtype=torch.float64)
+        fitted = isotonic_grid(values[span], sub_weights, tolerance=1e-3)[sub_seen]
         below = torch.full_like(values, -math.inf)
         above = torch.full_like(values, math.inf)
-        below[seen], above[seen] = estimates, estimates
+        below[seen], above[seen] = fitted, fitted
         for dim in range(3):
             below = torch.cummax(below, dim=dim).values
             above = torch.cummin(above.flip(dim), dim=dim).values.flip(dim)
         values = torch.maximum(torch.minimum(values, above), below)
-        values[seen] = estimates
+        values[seen] = fitted
         values = values.exp()
-        for dim in range(3):
+        for dim in range(3):  # what the fit's tolerance leaves
             values = torch.cummax(values, dim=dim).values
         return CostGrid(list(BATCH_AXIS), list(CONTEXT_AXIS), list(TOKEN_AXIS), values.tolist())
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import os
 import platform
 from collections.abc import Callable
@@ -155,27 +156,51 @@ def isotonic(values: list[float], weights: list[float] | None = None) -> list[fl
     return [m for m, _, n in blocks for _ in range(n)]
 
 
-def isotonic_plane(plane: list[list[float]], iterations: int = 200, tolerance: float = 1e-12) -> list[list[float]]:
-    """The least-squares fit to plane[c][n] that is non-decreasing along both axes: Dykstra's alternating
-    projections onto the row-monotone and the column-monotone sets (each projection is 1-D isotonic)."""
-    rows, cols = len(plane), len(plane[0])
-    x = [list(r) for r in plane]
-    p = [[0.0] * cols for _ in range(rows)]
-    q = [[0.0] * cols for _ in range(rows)]
+def isotonic_lines(values: torch.Tensor, weights: torch.Tensor, dim: int) -> torch.Tensor:
+    """The weighted least-squares non-decreasing fit along `dim` of every line of `values` at once, by the
+    max-min formula fit(i) = max_{j<=i} min_{k>=i} mean(values[j..k]) (means weighted; O(L^3) per line, but a
+    cost grid's lines are short and torch does them all in one pass)."""
+    x, w = values.movedim(dim, -1), weights.movedim(dim, -1)
+    length = x.shape[-1]
+    pad = torch.zeros(*x.shape[:-1], 1, dtype=x.dtype)
+    sums, totals = torch.cat([pad, (x * w).cumsum(-1)], -1), torch.cat([pad, w.cumsum(-1)], -1)
+    # means[..., j, k] over j..k; entries with k < j take +inf so that the min over k >= i never sees them
+    means = (sums[..., None, 1:] - sums[..., :-1, None]) / (totals[..., None, 1:] - totals[..., :-1, None])
+    order = torch.arange(length)
+    means = means.masked_fill(order[None, :] < order[:, None], math.inf)
+    right_min = means.flip(-1).cummin(-1).values.flip(-1)  # [..., j, i]: min over k >= i
+    right_min = right_min.masked_fill(order[:, None] > order[None, :], -math.inf)  # only j <= i
+    return right_min.amax(-2).movedim(-1, dim)
+
+
+def isotonic_grid(values: torch.Tensor, weights: torch.Tensor | None = None, iterations: int = 500,
+                  tolerance: float = 1e-10) -> torch.Tensor:
+    """The weighted least-squares fit to `values` that is non-decreasing along every axis: Dykstra's alternating
+    projections onto the sets monotone along each axis (each projection a weighted 1-D isotonic fit of every
+    line), which converge to the projection onto their intersection. A point with little weight (an unseen or
+    once-timed cell) is pulled into line by the points with much weight around it, instead of raising all of
+    them, as a running maximum would. Weights must be positive."""
+    values = values.to(torch.float64)
+    weights = torch.ones_like(values) if weights is None else weights.to(torch.float64).expand_as(values)
+    x = values.clone()
+    increments = [torch.zeros_like(x) for _ in range(x.dim())]
     for _ in range(iterations):
-        shifted = [[x[i][j] + p[i][j] for j in range(cols)] for i in range(rows)]
-        y = [isotonic(r) for r in shifted]
-        p = [[shifted[i][j] - y[i][j] for j in range(cols)] for i in range(rows)]
-        shifted = [[y[i][j] + q[i][j] for j in range(cols)] for i in range(rows)]
-        columns = [isotonic([shifted[i][j] for i in range(rows)]) for j in range(cols)]
-        new = [[columns[j][i] for j in range(cols)] for i in range(rows)]
-        q = [[shifted[i][j] - new[i][j] for j in range(cols)] for i in range(rows)]
-        change = max(abs(new[i][j] - x[i][j]) for i in range(rows) for j in range(cols))
-        x = new
-        if change < tolerance:
+        before = x
+        for dim in range(x.dim()):
+            shifted = x + increments[dim]
+            x = isotonic_lines(shifted, weights, dim)
+            increments[dim] = shifted - x
+        if (x - before).abs().max() < tolerance:
             break
-    # the column step ends each round; one last row pass removes any residual row violation of order tolerance
-    return [[max(r[: j + 1]) for j in range(cols)] for r in x]
+    # what Dykstra leaves of a violation is of order `tolerance`: a running maximum removes it exactly
+    for dim in range(x.dim()):
+        x = x.cummax(dim).values
+    return x
+
+
+def isotonic_plane(plane: list[list[float]]) -> list[list[float]]:
+    """The least-squares fit to plane[c][n] that is non-decreasing along both axes (`isotonic_grid`)."""
+    return isotonic_grid(torch.tensor(plane, dtype=torch.float64)).tolist()
 
 
 @dataclass
