@@ -60,3 +60,16 @@ def test_suffix_items_take_a_depth_and_a_shared_tree_and_calibrate_by_default():
         parse_methods("chain:suffix:depth=0")
     with pytest.raises(CastspecError, match="'min_n' is not an option"):
         parse_methods("chain:suffix:min_n=1")
+
+
+def test_the_demo_reads_cast_and_fixed_trees_by_method_and_drafter_not_by_label_text():
+    from castspec.cli.demo import cast_choices
+
+    rows = [{"method": "cast:ngram:min_n=2", "speedup": 1.5, "drafted_share": 0.5, "mean_tree_size": 3.0,
+             "mean_depth": 2.0},
+            {"method": "eagle2:ngram:top_k=2,depth=3,total_tokens=6", "speedup": 1.2},
+            {"method": "chain:draft+ngram:chain_length=4", "speedup": 2.0},
+            {"method": "ar", "speedup": 1.0}]
+    (line,) = cast_choices(rows)
+    assert line.startswith("CAST over ngram: 1.50x AR, 1.25x the best fixed tree over the same drafter")
+    assert "eagle2:ngram:top_k=2" in line and "draft+ngram" not in line

@@ -20,11 +20,13 @@ import json
 import sys
 from pathlib import Path
 
+from castspec.bench.runner import method_family
+
 
 def family(method: str) -> tuple[str, str]:
     """('chain' | 'eagle2' | 'cast' | 'ar', drafter) of a method label like 'chain:draft:chain_length=4'."""
-    parts = method.split(":")
-    return parts[0], parts[1] if len(parts) > 1 else ""
+    kind, drafter = method_family(method)
+    return kind, drafter or ""
 
 
 def regret(summary: list[dict]) -> dict:

@@ -101,6 +101,13 @@ def parse_methods(text: str) -> list[MethodSpec]:
     return [_parse_item(item) for item in filter(None, (part.strip() for part in text.split(";")))]
 
 
+def method_family(label: str) -> tuple[str, str | None]:
+    """(method, drafter) of a method item's label as `parse_methods` reads it: 'chain:draft:chain_length=4' ->
+    ('chain', 'draft'); 'ar' -> ('ar', None)."""
+    spec = _parse_item(label)
+    return spec.method, spec.drafter
+
+
 def encode_prompts(engine: Engine, prompts: list[dict]) -> list[list[int]]:
     """Token ids of prompt-set rows: chat rows ("messages") through the chat template, plain rows ("prompt") as is."""
     return [engine.encode(messages=p["messages"]) if "messages" in p else engine.encode(prompt=p["prompt"])

@@ -39,10 +39,12 @@ def run_demo(args) -> None:
 
 def cast_choices(rows: list[dict]) -> list[str]:
     """One line per drafter: CAST's speed beside the best fixed tree over the same drafter, and what it chose."""
+    from castspec.bench.runner import method_family
+
     lines = []
-    for cast in (r for r in rows if r["method"].startswith("cast:")):
-        drafter = cast["method"].split(":")[1]
-        fixed = [r for r in rows if r["method"].split(":")[:2] in (["chain", drafter], ["eagle2", drafter])]
+    for cast in (r for r in rows if method_family(r["method"])[0] == "cast"):
+        drafter = method_family(cast["method"])[1]
+        fixed = [r for r in rows if method_family(r["method"]) in (("chain", drafter), ("eagle2", drafter))]
         line = f"CAST over {drafter}: {cast['speedup']:.2f}x AR"
         if fixed:
             best = max(fixed, key=lambda r: r["speedup"])
