@@ -334,8 +334,12 @@ def test_serve_trace_records_batch_size_and_tree_shape(tmp_path, smollm):
         c = client(base)
         c.completions.create(model=MODEL, prompt=PROMPTS[11], max_tokens=12, temperature=0)
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert steps and all({"batch_size", "tree_sizes", "widths", "verify_budget", "policy"} <= set(s) for s in steps)
-    assert any(max(s["tree_sizes"]) > 0 for s in steps)
+    assert steps and all({"kind", "time", "waiting", "running", "batch_size", "tree_sizes", "widths",
+                          "verify_budget", "policy"} <= set(s) for s in steps)
+    assert steps[0]["kind"] == "prefill" and steps[0]["batch_size"] == 1  # the request joining is in the trace
+    decode = [s for s in steps if s["kind"] == "decode"]
+    assert decode and any(max(s["tree_sizes"]) > 0 for s in decode)
+    assert all(a["time"] <= b["time"] for a, b in zip(steps, steps[1:], strict=False))
 
 
 # --- the load benchmark ------------------------------------------------------------------------------------------
@@ -371,7 +375,8 @@ def test_bench_serve_runs_end_to_end(tmp_path):
     prompts = load_prompt_set("humaneval")[:2] + load_prompt_set("gsm8k")[:1]
     lines = []
     result = run_bench_serve(MODEL, parse_methods("ar;eagle2:ngram:top_k=3,depth=3,total_tokens=8"), prompts, [1, 3],
-                             [2.0], 10, "fp32", 4, timeout_s=300, log=lines.append)
+                             [2.0], 10, "fp32", 4, timeout_s=300, log=lines.append, per_client=2,
+                             trace_dir=tmp_path / "traces")
     measured = [line.split(": ")[0] for line in lines if "starting" not in line]
     assert measured == ["[ar] concurrency=1", "[eagle2:ngram:top_k=3,depth=3,total_tokens=8] concurrency=1",
                         "[eagle2:ngram:top_k=3,depth=3,total_tokens=8] concurrency=3", "[ar] concurrency=3",
@@ -382,10 +387,13 @@ def test_bench_serve_runs_end_to_end(tmp_path):
         ("eagle2:ngram:top_k=3,depth=3,total_tokens=8", "concurrency", 1),
         ("eagle2:ngram:top_k=3,depth=3,total_tokens=8", "concurrency", 3),
         ("eagle2:ngram:top_k=3,depth=3,total_tokens=8", "rate", 2.0)]
-    for s in summary:
-        assert s["errors"] == [] and s["requests"] == 3 and s["same_as_ar"] == 3
+    for s in summary:  # three clients send two requests each: the three prompts cycled
+        assert s["errors"] == [] and s["requests"] == (6 if s["level"] == 3 else 3) and s["same_as_ar"] == 3
         assert s["throughput_tok_s"] > 0 and s["ttft_p50_s"] > 0 and s["mean_batch_size"] >= 1
     assert summary[1]["mean_batch_size"] > 1  # three clients at once share steps
     assert summary[3]["mean_tree_size"] > 0 and summary[0]["mean_tree_size"] == 0
+    for index in (0, 1):  # each server's steps kept, the requests joining included
+        steps = [json.loads(line) for line in (tmp_path / "traces" / f"{index}-trace.jsonl").read_text().splitlines()]
+        assert sum(s["batch_size"] for s in steps if s["kind"] == "prefill") == 1 + 3 + 6 + 3  # warm-up + levels
     save(result, tmp_path, "run", "castspec bench-serve ...", "title", {"machine": "test"})
     assert (tmp_path / "run.png").stat().st_size > 0 and "| `ar` | c=1 |" in (tmp_path / "run.md").read_text()

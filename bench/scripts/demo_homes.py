@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -25,10 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from castspec.bench.runner import method_family
 from castspec.costs.table import machine_label
-
-ROW = re.compile(r"^\| all \| `(?P<method>[^`]+)` \| (?P<tps>[\d.]+) \| (?P<speedup>[\d.]+)x \| (?P<tau>[\d.-]+) \| "
-                 r"(?P<size>[\d.-]+) \| (?P<depth>[\d.-]+) \|")
 
 
 def seed_home(home: Path, source: Path, factor: float) -> list[dict]:
@@ -51,33 +48,35 @@ def one_run(models: Path, extra: list[str], seed: Path | None = None, keep: Path
         (Path(home) / "models").symlink_to(models)
         seeded = seed_home(Path(home), seed, float(os.environ.get("DRAFT_X", "1"))) if seed else None
         env = {**os.environ, "CASTSPEC_HOME": home}
+        report = Path(home) / "demo.json"
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "castspec.cli", "demo", *extra], env=env, text=True,
-                              capture_output=True)
+        proc = subprocess.run([sys.executable, "-m", "castspec.cli", "demo", *extra, "--json", str(report)],
+                              env=env, text=True, capture_output=True)
         wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            sys.exit(f"castspec demo failed:\n{proc.stderr[-3000:]}")
+        demo = json.loads(report.read_text())
+        tables = sorted((Path(home) / "costs").glob("online-*.json"))
+        probes = {str(data["meta"].get("draft")): data["meta"]["probe"]
+                  for data in (json.loads(t.read_text()) for t in tables) if "probe" in data["meta"]}
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
-            for table in (Path(home) / "costs").glob("online-*.json"):
+            for table in tables:
                 shutil.copy(table, keep / table.name)
-    if proc.returncode != 0:
-        sys.exit(f"castspec demo failed:\n{proc.stderr[-3000:]}")
-    rows = [{"method": m["method"], "tokens_per_s": float(m["tps"]), "speedup": float(m["speedup"]),
-             "tau": _number(m["tau"]), "mean_tree_size": _number(m["size"]), "mean_depth": _number(m["depth"])}
-            for m in map(ROW.match, proc.stdout.splitlines()) if m]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("CAST over ")]
-    probe = re.search(r"probed in ([\d.]+) s, a draft step costs ([\d.]+) target forwards", proc.stderr)
-    return {"rows": rows, "cast_lines": lines, "wall_s": round(wall, 1), "seeded": seeded,
-            "probe": {"seconds": float(probe[1]), "draft_to_target": float(probe[2])} if probe else None}
+    keys = ("method", "tokens_per_s", "speedup", "tau", "mean_tree_size", "mean_depth", "drafted_share")
+    rows = [{k: row.get(k) for k in keys} for row in demo["rows"]]
+    return {"rows": rows, "cast_lines": demo["cast_choices"], "wall_s": round(wall, 1), "seeded": seeded,
+            "probes": probes}
 
 
-def _number(text: str) -> float | None:
-    return None if text == "-" else float(text)
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value}"
 
 
 def bar(run: dict, drafter: str = "draft") -> dict:
     by = {r["method"]: r for r in run["rows"]}
     cast = by[f"cast:{drafter}"]
-    fixed = [r for m, r in by.items() if m.split(":")[:2] in (["chain", drafter], ["eagle2", drafter])]
+    fixed = [r for m, r in by.items() if method_family(m) in (("chain", drafter), ("eagle2", drafter))]
     best = max(fixed, key=lambda r: r["speedup"])
     return {"drafter": drafter, "cast": cast["speedup"], "best_fixed": best["method"],
             "best_fixed_speedup": best["speedup"], "ratio": round(cast["speedup"] / best["speedup"], 3),
@@ -137,18 +136,18 @@ def main(count: int, out: str, extra: list[str]) -> None:
              + ("a home seeded with learned tables whose drafter cells are x" + os.environ.get("DRAFT_X", "1")
                 if os.environ.get("SEED_COSTS") else "an empty $CASTSPEC_HOME: CAST starts from a probe") + ")", "",
              "| run | CAST over draft | best fixed draft tree | ratio | CAST over n-gram | best fixed n-gram tree | "
-             "ratio | probe |", "|---|---|---|---|---|---|---|---|"]
+             "ratio | probes |", "|---|---|---|---|---|---|---|---|"]
     for k, run in enumerate(runs, start=1):
         d, n = run["bars"]
-        probe = f"{run['probe']['seconds']} s" if run["probe"] else "-"
+        probe = f"{sum(p['seconds'] for p in run['probes'].values()):.1f} s" if run["probes"] else "-"
         lines.append(f"| {k} | {d['cast']:.2f}x | {d['best_fixed_speedup']:.2f}x (`{d['best_fixed']}`) | "
                      f"**{d['ratio']:.2f}** | {n['cast']:.2f}x | {n['best_fixed_speedup']:.2f}x (`{n['best_fixed']}`) "
                      f"| **{n['ratio']:.2f}** | {probe} |")
     for k, run in enumerate(runs, start=1):
         lines += ["", f"## Run {k} ({run['wall_s']} s)", "",
                   "| method | tok/s | speed-up | tau | verify size | depth |", "|---|---|---|---|---|---|"]
-        lines += [f"| `{r['method']}` | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['tau']} | "
-                  f"{r['mean_tree_size']} | {r['mean_depth']} |" for r in run["rows"]]
+        lines += [f"| `{r['method']}` | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {_cell(r['tau'])} | "
+                  f"{_cell(r['mean_tree_size'])} | {_cell(r['mean_depth'])} |" for r in run["rows"]]
         lines += [""] + run["cast_lines"]
     Path(out + ".md").write_text("\n".join(lines) + "\n")
     plot(result, out)

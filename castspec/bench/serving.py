@@ -156,6 +156,15 @@ async def stream_request(client: httpx.AsyncClient, model: str, prompt: dict, ma
     return record
 
 
+def level_prompts(prompts: list[dict], concurrency: int, per_client: int) -> list[dict]:
+    """What one concurrency level sends: every prompt once, cycled on until each client has sent `per_client`
+    requests. A level of exactly `concurrency` prompts is one wave that drains: its last requests run in a batch
+    emptied by the ones that finished early (speculation finishes some rows much sooner than others), which
+    measures the tail of a wave, not a server under steady load."""
+    count = max(len(prompts), concurrency * per_client)
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
 async def at_concurrency(base: str, model: str, prompts: list[dict], concurrency: int, max_tokens: int,
                          timeout_s: float) -> list[RequestRecord]:
     """`concurrency` clients, each sending its next prompt as soon as its last one finished."""
@@ -213,7 +222,8 @@ def summarise_level(records: list[RequestRecord], wall: float, before: dict, aft
     tokens = sum(len(r.token_ids) for r in ok)
     by_batch: dict[int, list[int]] = defaultdict(list)
     for step in trace_steps:
-        by_batch[step["batch_size"]] += step["tree_sizes"]
+        if step.get("kind", "decode") == "decode":
+            by_batch[step["batch_size"]] += step["tree_sizes"]
     drafts = delta.get("castspec:spec_decode_num_drafts_total", 0.0)
     steps = delta.get("castspec:batch_size_sum", 0.0)  # row-steps: every running row in every decode step
     return {
@@ -256,14 +266,17 @@ def _label(spec: MethodSpec, replicas: int | None) -> str:
 def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], concurrency: list[int],
                     rates: list[float], max_tokens: int, dtype: str, max_batch_size: int, draft: str | None = None,
                     head: str | None = None, timeout_s: float = 3600, replicas: list[int] | None = None,
-                    replica_cpus: float = 1.0, log=print) -> dict:
+                    replica_cpus: float = 1.0, log=print, per_client: int = 1,
+                    trace_dir: Path | None = None) -> dict:
     """Every level against every method's server; returns rows and a summary.
 
     One process per method (no `replicas`): all the servers are started first, then each level runs against each
     of them in turn, in alternating order (A B C, then C B A, ...), so that the machine's drift over minutes (on a
     shared 2-core machine the same forward's time wanders by 20 % or more) hits every method alike instead of
     deciding a ratio. With `replicas` (0 = one process without Ray, N = N Ray Serve replicas of `replica_cpus`
-    CPUs and threads each) the servers compete for the same CPUs, so they run one after another."""
+    CPUs and threads each) the servers compete for the same CPUs, so they run one after another. A concurrency
+    level sends `level_prompts(prompts, c, per_client)`. With `trace_dir`, every server's per-step trace (prefill
+    and decode steps, with their times) is kept there as INDEX-trace.jsonl."""
     served = Path(model).name
     plans = [(spec, count) for spec in specs for count in (replicas or [None])]
     levels = [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]
@@ -272,7 +285,9 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
 
         def start(stack: contextlib.ExitStack, index: int, spec: MethodSpec, count: int | None) -> dict:
             label = _label(spec, count)
-            trace = Path(tmp) / f"{index}-trace.jsonl"
+            trace = (trace_dir or Path(tmp)) / f"{index}-trace.jsonl"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            trace.unlink(missing_ok=True)
             args = [*server_args(spec, draft, head), "--max-batch-size", str(max_batch_size), "--trace", str(trace),
                     "--served-model-name", served]
             if count:
@@ -292,8 +307,11 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
             if count:
                 time.sleep(PUSH_EVERY_S + 0.5)
             before, started = scrape(base), time.perf_counter()
-            level = (at_concurrency if kind == "concurrency" else at_rate)(base, served, prompts, value, max_tokens,
-                                                                            timeout_s)
+            if kind == "concurrency":
+                level = at_concurrency(base, served, level_prompts(prompts, value, per_client), value, max_tokens,
+                                       timeout_s)
+            else:
+                level = at_rate(base, served, prompts, value, max_tokens, timeout_s)
             try:
                 records = asyncio.run(level)
             except TimeoutError:  # the level is reported as failed; the run goes on

@@ -22,6 +22,9 @@ def register(sub) -> None:
     bserve.add_argument("--sets", default="mtbench,humaneval,gsm8k")
     bserve.add_argument("--per-set", type=int, default=3, help="prompts taken from each set (each level sends all)")
     bserve.add_argument("--max-tokens", type=int, default=64)
+    bserve.add_argument("--per-client", type=int, default=2,
+                        help="a concurrency level cycles the prompts until each client has sent this many requests, "
+                             "so that finished rows are replaced (steady load, not one draining wave)")
     bserve.add_argument("--max-batch-size", type=int, default=8)
     bserve.add_argument("--dtype", default="bf16")
     bserve.add_argument("--timeout", type=float, default=3600, help="seconds one level may take at most")
@@ -43,8 +46,8 @@ def run_bench_serve(args) -> None:
     rates = [float(r) for r in args.rates.split(",") if r.strip()] if args.rates else []
     if any(c < 1 for c in concurrency) or any(r <= 0 for r in rates):
         raise CastspecError("--concurrency levels and --rates must be positive")
-    if args.max_tokens < 1 or args.per_set < 1:
-        raise CastspecError("--max-tokens and --per-set must be positive")
+    if args.max_tokens < 1 or args.per_set < 1 or args.per_client < 1:
+        raise CastspecError("--max-tokens, --per-set and --per-client must be positive")
     replicas = None
     if args.replicas:
         try:
@@ -56,8 +59,10 @@ def run_bench_serve(args) -> None:
     prompts = prompt_rows(args.sets, args.per_set, 0)
     result = run_bench_serve(args.model, specs, prompts, concurrency, rates, args.max_tokens, args.dtype,
                              args.max_batch_size, args.draft, args.head, args.timeout, replicas,
-                             args.replica_cpus, log=lambda line: print(line, file=sys.stderr, flush=True))
-    meta = {**_meta(args.max_tokens, len(prompts)), "dtype": args.dtype, "max_batch_size": args.max_batch_size}
+                             args.replica_cpus, log=lambda line: print(line, file=sys.stderr, flush=True),
+                             per_client=args.per_client, trace_dir=Path(args.out_dir) / f"{args.name}-traces")
+    meta = {**_meta(args.max_tokens, len(prompts)), "dtype": args.dtype, "max_batch_size": args.max_batch_size,
+            "per_client": args.per_client}
     if replicas:
         meta["replica_cpus"] = args.replica_cpus
     command = command_line()

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from castspec.cli.options import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair, prompt_rows
 from castspec.errors import CastspecError
 
@@ -17,6 +20,7 @@ def register(sub) -> None:
     demo.add_argument("--draft", default=DEFAULT_DRAFT)
     demo.add_argument("--prompts", type=int, default=1, help="prompts per set (MT-bench, HumanEval, GSM8K)")
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--json", metavar="PATH", help="also write the rows and CAST's choices as JSON here")
     demo.set_defaults(run=run_demo)
 
 
@@ -33,8 +37,11 @@ def run_demo(args) -> None:
     print(markdown_table(rows))
     print("speed-up = tokens/s over plain AR measured in this run; tau = mean tokens per target forward; "
           "'same as AR' counts outputs identical to AR (bf16 may flip near-ties; exactness is proven in fp32 tests)")
-    for line in cast_choices(rows):
+    choices = cast_choices(rows)
+    for line in choices:
         print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "cast_choices": choices}, indent=1) + "\n")
 
 
 def cast_choices(rows: list[dict]) -> list[str]:

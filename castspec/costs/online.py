@@ -23,7 +23,6 @@ import hashlib
 import itertools
 import json
 import math
-import random
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from castspec.costs.profile import interleaved_medians
 from castspec.costs.table import CostGrid, CostTable, Timer, isotonic_grid
 from castspec.errors import CastspecError
 
@@ -435,20 +435,17 @@ class OnlineCostTable(CostTable):
         timers = {"target": (target_timer, self.target_curve)}
         if draft_timer is not None:
             timers["draft"] = (draft_timer, self.draft_curve)
-        order = [(which, c, n) for which in timers for c, n in points]
-        total, done = len(order) * (passes + 1), 0
-        samples: dict[tuple[str, int, int], list[float]] = {key: [] for key in order}
-        rng = random.Random(0)
-        for k in range(passes + 1):
-            for which, c, n in order:
-                seconds = timers[which][0](batch_size, c, n)
-                if k > 0:  # pass 0 warms every shape
-                    samples[which, c, n].append(seconds)
-                done += 1
-                if progress:
-                    progress(f"probing costs {done}/{total}: {which} B={batch_size} c={c} n={n}")
-            rng.shuffle(order)
-        medians = {key: statistics.median(values) for key, values in samples.items()}
+        total, done = len(timers) * len(points) * (passes + 1), 0
+
+        def counted(message: str) -> None:
+            nonlocal done
+            done += 1
+            if progress:
+                progress(f"probing costs {done}/{total}: {message}")
+
+        timed = interleaved_medians({which: timer for which, (timer, _) in timers.items()},
+                                    [(batch_size, c, n) for c, n in points], passes, warm=True, progress=counted)
+        medians = {(which, c, n): seconds for (which, _, c, n), seconds in timed.items()}
         for (which, c, n), seconds in medians.items():
             timers[which][1].observe(batch_size, c, n, seconds)
         report = {"medians": medians}

@@ -100,8 +100,9 @@ def online_cost_model(target_model, drafter: Drafter, drafter_id: str, seed: Cos
     report = table.probe(target_timer, draft_timer, progress=progress)
     if progress is not None:
         print(file=sys.stderr)
-    ratio = report.get("draft_to_target")
+    ratio, seconds = report.get("draft_to_target"), time.perf_counter() - start
+    table.meta["probe"] = {"seconds": round(seconds, 2), "draft_to_target": ratio}  # saved with what it learns
     found = "" if ratio is None else f", a draft step costs {ratio:.3g} target forwards"
-    log(f"cost model: online, probed in {time.perf_counter() - start:.1f} s{found} (no table for this setup yet); "
-        "every step refines it")
+    log(f"cost model: online, probed in {seconds:.1f} s{found} (no table for this setup yet); every step "
+        "refines it")
     return table

@@ -114,32 +114,44 @@ def time_ngram(tokens: int, context: int, repeats: int = 3, drafter: str = "ngra
 
 
 
-def measure_grids(timers: dict[str, Timer], batch_sizes: list[int], contexts: list[int], tokens: list[int],
-                  passes: int = 3, progress: Callable[[str], None] | None = None,
-                  seed: int = 0) -> dict[str, CostGrid]:
-    """Time every grid point of every timer once per pass, each pass in a fresh random order over all timers
+def interleaved_medians(timers: dict[str, Timer], points: list[tuple[int, int, int]], passes: int = 3,
+                        warm: bool = False, progress: Callable[[str], None] | None = None,
+                        seed: int = 0) -> dict[tuple[str, int, int, int], float]:
+    """Time every (B, c, n) point of every timer once per pass, each pass in a fresh random order over all timers
     and points, and keep each point's median over the passes. Measuring a point's repeats back to back lets a
     burst of load elsewhere, or a slow first call after the previous shape, shift that point (or a run of its
     neighbours) as a whole; spread over passes, such a slowdown hits one pass of scattered points and the median
-    drops it. Interleaving the timers puts the target's and the drafter's curves under the same conditions."""
+    drops it. Interleaving the timers puts the target's and the drafter's curves under the same conditions. With
+    `warm`, a first untimed pass runs every shape once (a shape's first call pays for allocations and kernel
+    selection). Returns {(timer name, b, c, n): median seconds}."""
+    if passes < 1:
+        raise CastspecError(f"timing needs at least one pass, got {passes}")
+    order = [(which, *point) for which in timers for point in points]
+    samples: dict[tuple[str, int, int, int], list[float]] = {key: [] for key in order}
+    rng = random.Random(seed)
+    first = 0 if warm else 1
+    for k in range(first, passes + 1):
+        rng.shuffle(order)
+        for which, b, c, n in order:
+            seconds = timers[which](b, c, n)
+            if k > 0:
+                samples[which, b, c, n].append(seconds)
+            if progress:
+                step = "warm-up" if k == 0 else f"pass {k}/{passes}"
+                progress(f"{step} {which} B={b} c={c} n={n}: {seconds * 1e3:.1f} ms")
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def measure_grids(timers: dict[str, Timer], batch_sizes: list[int], contexts: list[int], tokens: list[int],
+                  passes: int = 3, progress: Callable[[str], None] | None = None,
+                  seed: int = 0) -> dict[str, CostGrid]:
+    """Every grid point of every timer, timed in interleaved passes (`interleaved_medians`)."""
     if passes < 1:
         raise CastspecError(f"profiling needs at least one pass, got {passes}")
-    points = [(which, bi, ci, ni) for which in timers for bi in range(len(batch_sizes))
-              for ci in range(len(contexts)) for ni in range(len(tokens))]
-    samples: dict[tuple[str, int, int, int], list[float]] = {p: [] for p in points}
-    rng = random.Random(seed)
-    for k in range(passes):
-        order = list(points)
-        rng.shuffle(order)
-        for which, bi, ci, ni in order:
-            b, c, n = batch_sizes[bi], contexts[ci], tokens[ni]
-            samples[which, bi, ci, ni].append(timers[which](b, c, n))
-            if progress:
-                progress(f"pass {k + 1}/{passes} {which} B={b} c={c} n={n}: "
-                         f"{samples[which, bi, ci, ni][-1] * 1e3:.1f} ms")
+    points = [(b, c, n) for b in batch_sizes for c in contexts for n in tokens]
+    medians = interleaved_medians(timers, points, passes, progress=progress, seed=seed)
     return {which: CostGrid(list(batch_sizes), list(contexts), list(tokens),
-                            [[[statistics.median(samples[which, bi, ci, ni]) for ni in range(len(tokens))]
-                              for ci in range(len(contexts))] for bi in range(len(batch_sizes))])
+                            [[[medians[which, b, c, n] for n in tokens] for c in contexts] for b in batch_sizes])
             for which in timers}
 
 

@@ -114,9 +114,10 @@ class EngineLoop:
 
     def _record(self, outputs: list[RequestOutput]) -> None:
         now, info, m = time.perf_counter(), self.engine.last_step, self.metrics
-        if info is not None and info.kind == "decode":
-            m.observe_step(info.batch_size, info.tree_sizes, info.accepted)
-            self._write_trace(info)
+        if info is not None:
+            if info.kind == "decode":
+                m.observe_step(info.batch_size, info.tree_sizes, info.accepted)
+            self._write_trace(info, now)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -138,13 +139,16 @@ class EngineLoop:
         m.observe_engine(self.engine)
         m.waiting.set(self.queued())
 
-    def _write_trace(self, info) -> None:
+    def _write_trace(self, info, now: float) -> None:
         self._step_number += 1
         if self._trace is None:
             return
         record = info.record
+        # 'kind': prefill steps (requests joining: batch_size is how many) stall the running rows; 'time' (the
+        # process's perf_counter at the step's end) and 'waiting' place them against the requests' own times
         self._trace.write(json.dumps({
-            "step": self._step_number, "batch_size": info.batch_size, "tree_sizes": info.tree_sizes,
+            "step": self._step_number, "kind": info.kind, "time": round(now, 4), "waiting": self.queued(),
+            "running": self.engine.num_running, "batch_size": info.batch_size, "tree_sizes": info.tree_sizes,
             "accepted": info.accepted, "seconds": round(info.seconds, 6),
             "layer_sizes": record.layer_sizes if record else [], "widths": record.widths if record else [],
             "verify_budget": record.verify_budget if record else 0,
