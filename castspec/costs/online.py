@@ -11,7 +11,7 @@ the last `window` residuals beyond `shift` on a log scale, most of them on the s
 prior at once: the table follows a neighbour's load or a clock change within `window` observations (smaller
 departures are learned cell by cell), while a single slow step changes nothing but its own cell, and that by little.
 Timings well below the table are believed sooner than timings above it (load only adds time): two in a row correct a
-cell; two cells corrected, or `quick` in a row over two cells or more, move the whole curve down.
+cell; `quick` of them from two cells or more (a corrected cell counting as its two) move the whole curve down.
 
 `OnlineCostTable` is a `CostTable` whose grids are snapshots of the two curves, refreshed every few
 observations; it starts from a short probe of the running setup, from a profiled table, or from what an earlier
@@ -104,12 +104,14 @@ class LearnedCurve:
         self.cells: dict[tuple[int, int, int], list[float]] = {}  # cell -> [log seconds, weight]
         self.coef: list[float] | None = None
         self.residuals: deque[float] = deque(maxlen=window)
-        # the faster-than-the-table path (`_take_drop`, `_follow_drops`): each cell's last timing if it was well
-        # below the cell, the last `quick` departures from existing cells, and when a timing last agreed with a cell
-        self._low: dict[tuple[int, int, int], float] = {}
-        self._recent: deque[tuple[tuple[int, int, int], float]] = deque(maxlen=quick)
+        # the faster-than-the-table path (`_take_drop`, `_follow_drops`): per cell, its timings well below it since
+        # a timing last agreed with it ([observation, log seconds]); the cells corrected down at once since the
+        # curve last moved (and by how much); when a timing last agreed with a cell; and the last `quick`
+        # departures from known cells, for `sure`
+        self._fast: dict[tuple[int, int, int], list[tuple[int, float]]] = {}
+        self._jumps: dict[tuple[int, int, int], float] = {}
         self._vouched: dict[tuple[int, int, int], int] = {}
-        self._jumps: dict[tuple[int, int, int], float] = {}  # cells moved down at once since the curve last moved
+        self._recent: deque[tuple[tuple[int, int, int], float]] = deque(maxlen=quick)
         self.observations = self.shifts = 0
         self._grid: CostGrid | None = None
         self._stale = 0
@@ -135,7 +137,7 @@ class LearnedCurve:
             return False
         # a cell whose last timing came in well below it, or recent timings of any cell far from the table, is
         # being contradicted: not sure, however many timings it once took
-        if key in self._low or any(abs(departure) > self.shift for _, departure in self._recent):
+        if key in self._fast or any(abs(departure) > self.shift for _, departure in self._recent):
             return False
         return len(self.residuals) < 3 or abs(statistics.median(self.residuals)) <= self.shift
 
@@ -271,41 +273,43 @@ class LearnedCurve:
         """Load only ever adds time: a timing well below what a cell says (by more than `shift` in log) shows the
         machine's own speed through a cell that was timed while the machine was busy, or seeded from another
         hour's table. Two such timings in a row move the cell to the slower of them at once (returns True); the
-        Huber step would take dozens. Once two cells have been corrected so, the rest of the curve moves down by
-        the smaller correction (`_move_down`): the table as a whole was too slow. Slow timings get no such path:
-        they are what a burst of load looks like, and a table too optimistic corrects itself anyway, since what
-        it prices cheap gets run and timed. Records the departure for `_follow_drops`."""
+        Huber step would take dozens. Slow timings get no such path: they are what a burst of load looks like,
+        and a table too optimistic corrects itself anyway, since what it prices cheap gets run and timed."""
         departure = x - cell[0]
         self._recent.append((key, departure))
         if departure >= -self.shift:
-            self._low.pop(key, None)
+            self._fast.pop(key, None)
             if departure <= self.shift:
                 self._vouched[key] = self.observations
             return False
-        previous = self._low.pop(key, None)
-        if previous is None:
-            self._low[key] = x
+        fast = self._fast.setdefault(key, [])
+        fast.append((self.observations, x))
+        if len(fast) < 2:
             return False
-        jump = max(x, previous) - cell[0]
+        jump = max(fast[-1][1], fast[-2][1]) - cell[0]
         cell[0] += jump
         cell[1] = min(cell[1] + 1.0, self.max_weight)
+        del self._fast[key]
         self._vouched[key] = self.observations
         self._jumps[key] = jump
         self._grid = None
-        if len(self._jumps) >= 2:  # two cells corrected down on evidence of their own: the rest follow
-            self._move_down(max(self._jumps.values()))
         return True
 
     def _follow_drops(self) -> None:
-        """Move the curve down at once when the last `quick` timings of known cells were all well below them, in
-        at least two different cells: the whole table was too slow (a table scaled up, a profile taken under load),
-        not one cell. It moves by the smallest of those departures, and cells a timing vouched for (agreed with,
-        or just moved) within the last `window` observations stay where they are."""
-        if len(self._recent) < self.quick or len({key for key, _ in self._recent}) < 2:
-            return
-        if any(departure >= -self.shift for _, departure in self._recent):
-            return
-        self._move_down(max(departure for _, departure in self._recent))
+        """Move the whole curve down once `quick` timings well below it have come from two cells or more: the
+        table as a whole was too slow (a table scaled up, a profile taken under load), not one cell. A corrected
+        cell counts as its two timings and keeps counting after later timings agree with it (they agree because
+        it was corrected); an uncorrected cell's fast timings count while no timing agreed with it since and they
+        are within the last `window` observations. The move is the smallest of those cells' corrections, and
+        cells a timing vouched for (agreed with, or just moved) within the last `window` observations stay."""
+        fresh_after = self.observations - self.window
+        evidence = {key: (2, jump) for key, jump in self._jumps.items()}
+        for key, timings in self._fast.items():
+            fresh = [x for at, x in timings if at > fresh_after]
+            if fresh and key not in evidence:
+                evidence[key] = (len(fresh), max(fresh) - self.cells[key][0])
+        if len(evidence) >= 2 and sum(count for count, _ in evidence.values()) >= self.quick:
+            self._move_down(max(correction for _, correction in evidence.values()))
 
     def _move_down(self, move: float) -> None:
         """Every cell no timing vouched for lately, and the prior, by `move` (< 0) on the log scale."""
@@ -316,7 +320,7 @@ class LearnedCurve:
         if self.coef is not None:
             self.coef = [k * math.exp(move) for k in self.coef]
         self._recent.clear()
-        self._low.clear()
+        self._fast.clear()
         self._jumps.clear()
         self.residuals.clear()
         self.shifts += 1
