@@ -332,11 +332,12 @@ def test_serve_trace_records_batch_size_and_tree_shape(tmp_path, smollm):
     with live_server("--drafter", "ngram", "--method", "cast", "--cost-table", str(table), "--force-table",
                      "--cost-model", "fixed", "--trace", str(trace), log_path=tmp_path / "trace.log") as base:
         c = client(base)
-        c.completions.create(model=MODEL, prompt=PROMPTS[11], max_tokens=12, temperature=0)
+        usage = c.completions.create(model=MODEL, prompt=PROMPTS[11], max_tokens=12, temperature=0).usage
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert steps and all({"kind", "time", "waiting", "running", "batch_size", "tree_sizes", "widths",
                           "verify_budget", "policy"} <= set(s) for s in steps)
     assert steps[0]["kind"] == "prefill" and steps[0]["batch_size"] == 1  # the request joining is in the trace
+    assert steps[0]["prompt_tokens"] == usage.prompt_tokens
     decode = [s for s in steps if s["kind"] == "decode"]
     assert decode and any(max(s["tree_sizes"]) > 0 for s in decode)
     assert all(a["time"] <= b["time"] for a, b in zip(steps, steps[1:], strict=False))
@@ -388,7 +389,7 @@ def test_bench_serve_runs_end_to_end(tmp_path):
         ("eagle2:ngram:top_k=3,depth=3,total_tokens=8", "concurrency", 3),
         ("eagle2:ngram:top_k=3,depth=3,total_tokens=8", "rate", 2.0)]
     for s in summary:  # three clients send two requests each: the three prompts cycled
-        assert s["errors"] == [] and s["requests"] == (6 if s["level"] == 3 else 3) and s["same_as_ar"] == 3
+        assert s["errors"] == [] and s["requests"] == (6 if s["level"] == 3 else 3) and s["same_as_ar"] == s["requests"]
         assert s["throughput_tok_s"] > 0 and s["ttft_p50_s"] > 0 and s["mean_batch_size"] >= 1
     assert summary[1]["mean_batch_size"] > 1  # three clients at once share steps
     assert summary[3]["mean_tree_size"] > 0 and summary[0]["mean_tree_size"] == 0

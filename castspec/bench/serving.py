@@ -355,7 +355,9 @@ def summarise_runs(rows: list[dict]) -> list[dict]:
         line = {k: v for k, v in r.items() if k not in ("records", "outputs")}
         line["speedup_vs_ar"] = (round(r["throughput_tok_s"] / base["throughput_tok_s"], 3)
                                  if base and base["throughput_tok_s"] else None)
-        line["same_as_ar"] = (sum(r["outputs"].get(k) == v for k, v in base["outputs"].items())
+        # every request against AR's output for its prompt (a level cycles its prompts: a prompt is asked again)
+        line["same_as_ar"] = (sum(rec["token_ids"] == base["outputs"].get(rec["prompt_id"])
+                                  for rec in r["records"] if rec["error"] is None and rec["token_ids"])
                               if base else None)
         out.append(line)
     return out

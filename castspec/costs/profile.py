@@ -16,7 +16,7 @@ from castspec.costs.table import CostGrid, CostTable, Timer, setup_key
 from castspec.errors import CastspecError
 
 
-def _filled_cache(model, batch_size: int, context: int):
+def filled_cache(model, batch_size: int, context: int):
     """A KV cache holding `context` entries of random values: attention costs depend on shapes only."""
     from castspec.decode.kv import new_cache
 
@@ -31,7 +31,7 @@ def _filled_cache(model, batch_size: int, context: int):
     return cache
 
 
-def _chain_after(batch_size: int, context: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def chain_after(batch_size: int, context: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and the [B, 1, n, c + n] mask of `tokens` new tokens per row, causal among themselves, after
     `context` cached ones (a chain costs what any tree of the same size costs)."""
     positions = torch.arange(context, context + tokens, device=device).expand(batch_size, tokens)
@@ -51,10 +51,10 @@ def time_forward(model, batch_size: int, context: int, tokens: int, repeats: int
     from castspec.decode import kv
 
     device = next(model.parameters()).device
-    cache = _filled_cache(model, batch_size, context)
+    cache = filled_cache(model, batch_size, context)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch_size, tokens), device=device)
-    positions, mask = _chain_after(batch_size, context, tokens, device)
+    positions, mask = chain_after(batch_size, context, tokens, device)
     times = []
     for i in range(warmup + repeats):
         _sync(device)
@@ -76,10 +76,10 @@ def time_head(head, target_model, batch_size: int, context: int, tokens: int, re
     from castspec.decode import kv
 
     param = next(head.parameters())
-    cache = _filled_cache(head, batch_size, context)
+    cache = filled_cache(head, batch_size, context)
     ids = torch.randint(0, target_model.config.vocab_size, (batch_size, tokens), device=param.device)
     features = torch.randn(batch_size, tokens, head.config.hidden_size, dtype=param.dtype, device=param.device)
-    positions, mask = _chain_after(batch_size, context, tokens, param.device)
+    positions, mask = chain_after(batch_size, context, tokens, param.device)
     embed, lm_head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
     times = []
     for i in range(warmup + repeats):

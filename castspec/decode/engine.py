@@ -122,6 +122,7 @@ class StepInfo:
     accepted: list[int]  # tokens emitted per row
     record: DraftRecord | None
     seconds: float
+    prompt_tokens: int = 0  # a prefill's prompt tokens in all (its forward is as wide as the longest times B)
 
 
 class _Sequence:
@@ -297,7 +298,7 @@ class StepEngine:
         self.running += joining
         self._keep([i for i in range(len(self.running)) if i not in done])
         self.last_step = StepInfo("prefill", len(joining), [0] * len(joining), [1] * len(joining), None,
-                                  _clock(self.target.device) - t0)
+                                  _clock(self.target.device) - t0, sum(len(s.prompt) for s in joining))
         return outputs
 
     def _decode_step(self) -> list[RequestOutput]:

@@ -148,7 +148,8 @@ class EngineLoop:
         # process's perf_counter at the step's end) and 'waiting' place them against the requests' own times
         self._trace.write(json.dumps({
             "step": self._step_number, "kind": info.kind, "time": round(now, 4), "waiting": self.queued(),
-            "running": self.engine.num_running, "batch_size": info.batch_size, "tree_sizes": info.tree_sizes,
+            "running": self.engine.num_running, "batch_size": info.batch_size, "prompt_tokens": info.prompt_tokens,
+            "tree_sizes": info.tree_sizes,
             "accepted": info.accepted, "seconds": round(info.seconds, 6),
             "layer_sizes": record.layer_sizes if record else [], "widths": record.widths if record else [],
             "verify_budget": record.verify_budget if record else 0,
