@@ -58,6 +58,11 @@ def test_suffix_items_take_a_depth_and_a_shared_tree_and_calibrate_by_default():
     assert policy_options(off, costs="t")["cast_calibrate"] is False and "cast_max_depth" not in policy_options(off)
     with pytest.raises(CastspecError, match="depth must be an integer"):
         parse_methods("chain:suffix:depth=0")
+    # n-gram matches are counts too; a draft model's probabilities merged with them are not recalibrated
+    ngram, merged, off = parse_methods("cast:ngram;cast:draft+ngram;cast:ngram:calibrate=0")
+    assert policy_options(ngram, costs="t")["cast_calibrate"] is True
+    assert policy_options(merged, costs="t")["cast_calibrate"] is False
+    assert policy_options(off, costs="t")["cast_calibrate"] is False
     with pytest.raises(CastspecError, match="'min_n' is not an option"):
         parse_methods("chain:suffix:min_n=1")
 

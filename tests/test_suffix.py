@@ -212,3 +212,6 @@ def test_engine_load_defaults_calibration_on_for_the_suffix_drafter(tmp_path):
     with pytest.raises(CastspecError, match="kept by the suffix drafter"):
         Engine.check_options("cast", drafter="ngram", suffix_shared_tokens=100)
     assert torch.is_tensor(engine.drafter.begin([[1, 2, 1, 2]], 4)[0].tokens)
+    ngram = Engine.load("smollm2-135m", "cast", drafter="ngram", dtype="fp32", cost_model="fixed",
+                        cost_table=str(table), force_table=True)
+    assert ngram.policy.calibration is not None  # the n-gram drafter's 1.0 scores are calibrated too

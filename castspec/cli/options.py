@@ -33,7 +33,7 @@ def policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cast-calibration", choices=["on", "off"],
                    help="cast: learn P(accepted | draft score) from the verified trees and use it as the utility "
                         "(for drafters whose scores are not probabilities of acceptance; default: on for the "
-                        "suffix drafter, off otherwise)")
+                        "n-gram and suffix drafters, off otherwise)")
     g.add_argument("--cast-payoff", choices=["on", "off"],
                    help="cast: draft only while drafting has paid lately, priced by the cost table (default: on in "
                         "auto mode or with calibration, off in paper mode)")
