@@ -47,34 +47,45 @@ def category(op: str) -> str:
 
 
 def bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> dict:
-    """Read bandwidth (a float32 sum over `gib` GiB) and copy bandwidth (read + write), medians of `repeats`."""
+    """Read bandwidth (a float32 sum over `gib` GiB) and copy bandwidth (into a buffer written before, so that no
+    page is touched for the first time), medians of `repeats`."""
     x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    y = torch.zeros_like(x)
     read, copy = [], []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         x.sum()
         read.append(time.perf_counter() - start)
         start = time.perf_counter()
-        x.clone()
+        y.copy_(x)
         copy.append(time.perf_counter() - start)
     size = x.numel() * 4 / 1e9
     return {"read_gb_s": round(size / statistics.median(read[1:]), 2),
             "copy_gb_s": round(2 * size / statistics.median(copy[1:]), 2)}
 
 
-@torch.inference_mode()
-def profile_case(model, batch_size: int, context: int, tokens: int, repeats: int = 8) -> dict:
+def prepared(model, batch_size: int, context: int, tokens: int) -> tuple:
     device = next(model.parameters()).device
     cache = filled_cache(model, batch_size, context)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, tokens), device=device)
     positions, mask = chain_after(batch_size, context, tokens, device)
-    walls = []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        kv.forward(model, cache, ids, positions, mask)
-        if i >= 2:
-            walls.append(time.perf_counter() - start)
-        kv.crop(cache, context)
+    return cache, ids, positions, mask, context
+
+
+@torch.inference_mode()
+def one_forward(model, case: tuple) -> float:
+    cache, ids, positions, mask, context = case
+    start = time.perf_counter()
+    kv.forward(model, cache, ids, positions, mask)
+    seconds = time.perf_counter() - start
+    kv.crop(cache, context)
+    return seconds
+
+
+@torch.inference_mode()
+def profile_case(model, case: tuple, wall_ms: float, repeats: int = 8) -> dict:
+    """The ops of `repeats` forwards of a prepared case, by category, against its unprofiled wall time."""
+    cache, ids, positions, mask, context = case
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             kv.forward(model, cache, ids, positions, mask)
@@ -85,14 +96,13 @@ def profile_case(model, batch_size: int, context: int, tokens: int, repeats: int
         by_category[category(event.key)] += event.self_cpu_time_total / 1e3 / repeats
         by_op[event.key] += event.self_cpu_time_total / 1e3 / repeats
     # the lm_head alone, on the hidden states of the same number of tokens
-    hidden = torch.randn(batch_size, tokens, model.config.hidden_size, dtype=next(model.parameters()).dtype)
+    hidden = torch.randn(*ids.shape, model.config.hidden_size, dtype=next(model.parameters()).dtype)
     head = []
     for i in range(repeats + 2):
         start = time.perf_counter()
         model.lm_head(hidden)
         if i >= 2:
             head.append(time.perf_counter() - start)
-    wall_ms = statistics.median(walls) * 1e3
     profiled_ms = sum(by_category.values())
     head_ms = statistics.median(head) * 1e3
     rows = {"lm_head (151k-token vocabulary, timed apart)": head_ms}
@@ -100,7 +110,7 @@ def profile_case(model, batch_size: int, context: int, tokens: int, repeats: int
         rows[name] = ms - head_ms if name == "matrix multiplies" else ms
     # the profiler's own cost inflates its sum; the gap is read against the unprofiled wall time
     rows["Python, dispatch and what no op accounts for"] = max(wall_ms - profiled_ms, 0.0)
-    return {"batch_size": batch_size, "context": context, "tokens": tokens, "wall_ms": round(wall_ms, 2),
+    return {"batch_size": ids.shape[0], "context": context, "tokens": ids.shape[1], "wall_ms": round(wall_ms, 2),
             "profiled_ms": round(profiled_ms, 2), "rows_ms": {k: round(v, 2) for k, v in rows.items()},
             "top_ops_ms": {k: round(v, 2) for k, v in sorted(by_op.items(), key=lambda kv_: -kv_[1])[:12]}}
 
@@ -111,38 +121,61 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=6, help="timed forwards of each case per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of bandwidth + forwards")
     args = parser.parse_args()
     print(f"loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
     model, _ = load_model(args.model, args.dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print("measuring memory bandwidth ...", file=sys.stderr, flush=True)
-    bandwidth = bandwidth_gb_s()
-    floor_ms = weight_bytes / 1e9 / bandwidth["read_gb_s"] * 1e3
+    # a decode forward reads every weight but the input embedding's table, of which it looks up one row a token
+    embedding = model.get_input_embeddings().weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    names = {"AR step (1 token)": 1, "16-token verify": 16}
+    prepared_cases = {name: prepared(model, 1, args.context, tokens) for name, tokens in names.items()}
+    for case in prepared_cases.values():  # warm every shape
+        one_forward(model, case)
+    # this machine's memory bandwidth moves with its neighbours (7.8 to 20.4 GB/s within minutes here), so each
+    # round measures it beside the forwards, and the forwards are read against the floor of their own round
+    rounds = []
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}: bandwidth, then both cases alternated ...", file=sys.stderr, flush=True)
+        bandwidth = bandwidth_gb_s(gib=0.5, repeats=3)
+        walls: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name, case in prepared_cases.items():
+                walls[name].append(one_forward(model, case))
+        floor = weight_bytes / 1e9 / bandwidth["read_gb_s"] * 1e3
+        rounds.append({"read_gb_s": bandwidth["read_gb_s"], "floor_ms": round(floor, 1),
+                       **{name: round(statistics.median(w) * 1e3, 1) for name, w in walls.items()}})
     cases = []
-    for name, tokens in (("AR step (1 token)", 1), ("16-token verify", 16)):
-        print(f"profiling {name} at B=1, c={args.context} ...", file=sys.stderr, flush=True)
-        cases.append({"case": name, **profile_case(model, 1, args.context, tokens)})
+    for name, case in prepared_cases.items():
+        print(f"profiling {name} ...", file=sys.stderr, flush=True)
+        wall = statistics.median(one_forward(model, case) for _ in range(args.repeats)) * 1e3
+        cases.append({"case": name, **profile_case(model, case, wall)})
     result = {"meta": {"machine": machine_label(), "model": args.model, "dtype": args.dtype,
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "date": time.strftime("%Y-%m-%d %H:%M"), "context": args.context,
                        "command": "python " + " ".join(sys.argv)},
-              "weight_gb": round(weight_bytes / 1e9, 3), "bandwidth": bandwidth,
-              "bandwidth_floor_ms": round(floor_ms, 1), "cases": cases}
+              "weight_gb": round(weight_bytes / 1e9, 3), "rounds": rounds, "cases": cases}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Where one forward goes: {args.model} {args.dtype}, {result['meta']['machine']}", "",
-             f"`{result['meta']['command']}` ({result['meta']['date']}, {result['meta']['threads']} threads)", "",
-             f"Weights {result['weight_gb']} GB; memory read bandwidth {bandwidth['read_gb_s']} GB/s (copy "
-             f"{bandwidth['copy_gb_s']} GB/s), so a decode forward cannot take less than **{floor_ms:.0f} ms** here.",
-             ""]
-    names = list(cases[0]["rows_ms"])
-    lines += ["| where | " + " | ".join(f"{c['case']}, ms" for c in cases) + " |",
-              "|---|" + "---|" * len(cases)]
-    for name in names:
+             f"`{result['meta']['command']}` ({result['meta']['date']}, {result['meta']['threads']} threads, "
+             f"B = 1, {args.context} tokens of context)", "",
+             f"A decode forward reads {result['weight_gb']} GB of weights (all but the input embedding), so it "
+             "cannot take less than that over the memory read bandwidth measured beside it:", "",
+             "| round | read GB/s | floor ms | " + " | ".join(f"{n}, ms (x floor)" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for k, r in enumerate(rounds, start=1):
+        lines.append(f"| {k} | {r['read_gb_s']} | {r['floor_ms']} | "
+                     + " | ".join(f"{r[n]} ({r[n] / r['floor_ms']:.2f}x)" for n in names) + " |")
+    lines += ["", "Op by op (self time per forward under the profiler, which slows every op; the last row is the "
+              "unprofiled wall time minus the profiled ops, i.e. Python and dispatch, when the profiler's own "
+              "cost does not exceed it):", "",
+              "| where | " + " | ".join(f"{c['case']}, ms" for c in cases) + " |", "|---|" + "---|" * len(cases)]
+    for name in cases[0]["rows_ms"]:
         lines.append(f"| {name} | " + " | ".join(f"{c['rows_ms'].get(name, 0):.1f}" for c in cases) + " |")
-    lines.append("| **wall (unprofiled median)** | " + " | ".join(f"**{c['wall_ms']:.1f}**" for c in cases) + " |")
-    lines.append("| wall / bandwidth floor | " + " | ".join(f"{c['wall_ms'] / floor_ms:.2f}x" for c in cases) + " |")
+    lines.append("| **wall, unprofiled** | " + " | ".join(f"**{c['wall_ms']:.1f}**" for c in cases) + " |")
     lines += ["", "Largest ops (self time, ms per forward, profiled):", ""]
     for c in cases:
         lines.append(f"- {c['case']}: " + ", ".join(f"`{k}` {v}" for k, v in list(c["top_ops_ms"].items())[:8]))
