@@ -22,7 +22,7 @@ def test_ngram_sizes_go_to_the_drafter_and_the_rest_to_the_policy():
     (merged,) = parse_methods("cast:head+ngram:min_n=1,auto=0")
     assert merged.drafter == "head+ngram" and drafter_options(merged) == {"min_n": 1}
     (cast,) = parse_methods("cast:ngram:min_n=1,auto=0")
-    assert policy_options(cast, costs="table") == {"cost_table": "table", "cast_auto": False, "cast_calibrate": False}
+    assert policy_options(cast, costs="table") == {"cost_table": "table", "cast_auto": False, "cast_calibrate": True}
 
 
 @pytest.mark.parametrize(("text", "says"), [
