@@ -36,6 +36,13 @@ SUFFIX_MAX_DEPTH = 24
 CALIBRATED_DRAFTERS = ("ngram", "suffix")
 
 
+def calibrated_by_default(drafter: str | None, with_suffix: bool = False) -> bool:
+    """Whether CAST calibrates this drafter's scores unless told otherwise: the model-free drafters' counts are not
+    acceptance probabilities. A model drafter's are, also merged with n-gram (draft+ngram, head+ngram); merged
+    with the suffix tree (draft+suffix), whose copied spans dominate the tree, it is calibrated too."""
+    return drafter in CALIBRATED_DRAFTERS or with_suffix or (drafter or "").endswith("suffix")
+
+
 def make_policy(method: str, chain_length: int = 4, top_k: int = 10, depth: int = 5, total_tokens: int = 60,
                 cost_table: CostTable | None = None, cast_c1: float = 4.0, cast_c2: float = 3.0,
                 cast_c3: float = 2.5, cast_r: int = 8, cast_max_depth: int | None = None, cast_auto: bool = True,
@@ -234,7 +241,7 @@ class Engine:
                 chosen = NgramAugmentedDrafter(chosen, model_free)
         if method == "cast":
             if policy_options.get("cast_calibrate") is None:  # model-free scores are counts, not probabilities
-                policy_options["cast_calibrate"] = drafter in CALIBRATED_DRAFTERS or with_suffix
+                policy_options["cast_calibrate"] = calibrated_by_default(drafter, with_suffix)
             if policy_options.get("cast_max_depth") is None and drafter == "suffix":
                 policy_options["cast_max_depth"] = SUFFIX_MAX_DEPTH
         table = None

@@ -16,7 +16,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from castspec.api import CALIBRATED_DRAFTERS, SUFFIX_MAX_DEPTH, Engine, drafter_identity, make_policy
+from castspec.api import SUFFIX_MAX_DEPTH, Engine, calibrated_by_default, drafter_identity, make_policy
 from castspec.costs.probe import find_cost_table, online_cost_model
 from castspec.costs.table import device_name, setup_key
 from castspec.decode.sampling import SamplingParams
@@ -126,10 +126,7 @@ def policy_options(spec: MethodSpec, costs=None) -> dict:
     if spec.method == "cast":
         options["cost_table"] = costs
         options["cast_auto"] = bool(options.pop("auto", 1))
-        # count-based n-gram and suffix scores are not acceptance probabilities: calibrated unless the item says
-        # otherwise (a merged drafter's model probabilities are, so draft+ngram / head+ngram stay as they are)
-        calibrated = spec.drafter in CALIBRATED_DRAFTERS or spec.drafter.endswith("suffix")
-        options["cast_calibrate"] = bool(options.pop("calibrate", int(calibrated)))
+        options["cast_calibrate"] = bool(options.pop("calibrate", int(calibrated_by_default(spec.drafter))))
         if spec.drafter == "suffix":
             options.setdefault("cast_max_depth", SUFFIX_MAX_DEPTH)
         options.pop("online", None)  # chooses the cost table, which the caller passed in

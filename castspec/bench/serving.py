@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from castspec.bench import PER_CLIENT
 from castspec.bench.runner import MethodSpec
 from castspec.errors import CastspecError
 from castspec.serve.metrics import PUSH_EVERY_S
@@ -266,7 +267,7 @@ def _label(spec: MethodSpec, replicas: int | None) -> str:
 def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], concurrency: list[int],
                     rates: list[float], max_tokens: int, dtype: str, max_batch_size: int, draft: str | None = None,
                     head: str | None = None, timeout_s: float = 3600, replicas: list[int] | None = None,
-                    replica_cpus: float = 1.0, log=print, per_client: int = 1,
+                    replica_cpus: float = 1.0, log=print, per_client: int = PER_CLIENT,
                     trace_dir: Path | None = None) -> dict:
     """Every level against every method's server; returns rows and a summary.
 

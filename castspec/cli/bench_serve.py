@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from castspec.bench import PER_CLIENT
 from castspec.cli.options import DEFAULT_DRAFT, DEFAULT_TARGET, command_line, int_list, prompt_rows
 from castspec.errors import CastspecError
 
@@ -22,7 +23,7 @@ def register(sub) -> None:
     bserve.add_argument("--sets", default="mtbench,humaneval,gsm8k")
     bserve.add_argument("--per-set", type=int, default=3, help="prompts taken from each set (each level sends all)")
     bserve.add_argument("--max-tokens", type=int, default=64)
-    bserve.add_argument("--per-client", type=int, default=2,
+    bserve.add_argument("--per-client", type=int, default=PER_CLIENT,
                         help="a concurrency level cycles the prompts until each client has sent this many requests, "
                              "so that finished rows are replaced (steady load, not one draining wave)")
     bserve.add_argument("--max-batch-size", type=int, default=8)

@@ -146,8 +146,6 @@ def measure_grids(timers: dict[str, Timer], batch_sizes: list[int], contexts: li
                   passes: int = 3, progress: Callable[[str], None] | None = None,
                   seed: int = 0) -> dict[str, CostGrid]:
     """Every grid point of every timer, timed in interleaved passes (`interleaved_medians`)."""
-    if passes < 1:
-        raise CastspecError(f"profiling needs at least one pass, got {passes}")
     points = [(b, c, n) for b in batch_sizes for c in contexts for n in tokens]
     medians = interleaved_medians(timers, points, passes, progress=progress, seed=seed)
     return {which: CostGrid(list(batch_sizes), list(contexts), list(tokens),
