@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -263,8 +264,10 @@ def resolve(model: str, log: Log = _stderr) -> str:
     return model  # a hub id: from_pretrained resolves it (and says so if the hub is unreachable)
 
 
-def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = _stderr):
-    """Load a causal LM and its tokenizer; returns (model, tokenizer)."""
+def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = _stderr, prepack: bool = True):
+    """Load a causal LM and its tokenizer; returns (model, tokenizer). With `prepack`, a CPU bf16 / fp16 model's
+    linear layers hold their weights in oneDNN's blocked layout (`decode.prepack`: faster forwards, same
+    modules); fp32 models and other devices are left as loaded."""
     if dtype not in DTYPES:
         raise CastspecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -282,4 +285,11 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
         if bar:
             hf_logging.enable_progress_bar()
     lm.to(device).eval()
+    if prepack:
+        from castspec.decode.prepack import prepack as prepack_linears
+
+        start = time.perf_counter()
+        if count := prepack_linears(lm):
+            log(f"{Path(source).name}: {count} linear layers packed for this CPU's matrix units "
+                f"in {time.perf_counter() - start:.1f} s (--no-prepack: as loaded)")
     return lm, tokenizer

@@ -63,6 +63,13 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                                     "--draft or --head is given)")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
     p.add_argument("--device", default="cpu")
+    prepack_arg(p)
+
+
+def prepack_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-prepack", dest="prepack", action="store_false",
+                   help="keep bf16 / fp16 linear weights in their loaded layout (by default they are reordered once "
+                        "for the CPU's matrix units, which streams them faster; fp32 is never reordered)")
 
 
 def engine_options(args) -> dict:
@@ -77,7 +84,7 @@ def engine_options(args) -> dict:
     return dict(model=args.model, method=args.method, draft=args.draft, drafter=args.drafter, head=args.head,
                 with_ngram=args.with_ngram, with_suffix=args.with_suffix, suffix_depth=args.suffix_depth,
                 suffix_shared_tokens=args.suffix_shared_tokens, dtype=args.dtype, device=args.device,
-                cost_table=args.cost_table,
+                prepack=args.prepack, cost_table=args.cost_table,
                 force_table=args.force_table, cost_model=args.cost_model, **options)
 
 
@@ -105,14 +112,14 @@ def sampling_params(args):
     return SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)
 
 
-def load_pair(model: str, draft: str | None, dtype: str):
+def load_pair(model: str, draft: str | None, dtype: str, prepack: bool = True):
     from castspec.drafters.draft_model import check_compatible
     from castspec.models import load_model
 
-    target, tokenizer = load_model(model, dtype)
+    target, tokenizer = load_model(model, dtype, prepack=prepack)
     if draft in (None, "", "none"):
         return target, tokenizer, None
-    draft_model, draft_tokenizer = load_model(draft, dtype)
+    draft_model, draft_tokenizer = load_model(draft, dtype, prepack=prepack)
     check_compatible(target, tokenizer, draft_model, draft_tokenizer)
     return target, tokenizer, draft_model
 

@@ -26,7 +26,7 @@ import torch
 from castspec.errors import CastspecError
 
 FORMAT = "castspec-cost-table/1"
-KEY_FIELDS = ("device", "threads", "model", "dtype", "torch", "transformers")
+KEY_FIELDS = ("device", "threads", "model", "dtype", "torch", "transformers", "linears")
 
 
 # The widest matrix instructions decide a CPU's speed more than its name: two "AMD EPYC" machines, one with native
@@ -73,7 +73,7 @@ def setup_key(model, dtype: torch.dtype | None = None) -> dict:
     import transformers  # here, not at the top: the table itself (and the policies reading it) need no model code
 
     device = next(model.parameters()).device
-    return {
+    key = {
         "device": device_name(device),
         "threads": torch.get_num_threads(),
         "model": model_identity(model),
@@ -81,6 +81,9 @@ def setup_key(model, dtype: torch.dtype | None = None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    if getattr(model, "castspec_prepacked", False):  # decode.prepack: faster forwards than the same model's unpacked
+        key["linears"] = "onednn-prepacked"
+    return key
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -262,9 +265,11 @@ class CostTable:
         except (KeyError, TypeError, ValueError) as e:
             raise CastspecError(f"cost table {path} is corrupt: missing or malformed {e}") from e
         if expect is not None and not force:
-            mismatched = [k for k in KEY_FIELDS if k in expect and table.meta.get("target", {}).get(k) != expect[k]]
+            measured = table.meta.get("target", {})
+            # "linears" is absent from the keys of unpacked models (and of every table made before it existed)
+            mismatched = [k for k in KEY_FIELDS if (k in expect or k == "linears") and measured.get(k) != expect.get(k)]
             if mismatched:
-                detail = "; ".join(f"{k}: table {table.meta.get('target', {}).get(k)!r}, here {expect[k]!r}"
+                detail = "; ".join(f"{k}: table {measured.get(k)!r}, here {expect.get(k)!r}"
                                    for k in mismatched)
                 raise CastspecError(f"cost table {path} was measured on another setup ({detail}); "
                                     "profile this setup or force the table")

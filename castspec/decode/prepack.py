@@ -1,0 +1,85 @@
+"""Linear layers with their weights pre-packed for the CPU's matrix units (oneDNN's blocked layout).
+
+A decode forward reads every weight once, so its time is weight bytes over the rate the matmul kernel streams
+them. On the AMX Xeon, aten's bf16 `linear` (oneDNN's AMX matmul over the plain [out, in] weight) streamed the
+1.5B target's weights at 13-17 GB/s where the machine reads 20-24 GB/s; the same kernel over weights reordered
+once into oneDNN's blocked layout streamed them at 18-24 GB/s (bench/forward-profile). Nothing else changes:
+stock `transformers` modules call the swapped layers as they called `nn.Linear` (the swap is done in place, the
+way quantisation libraries replace linears; no model code is copied).
+
+Only bf16 and fp16 weights on a CPU whose oneDNN has native kernels for them are packed; fp32 keeps aten's
+kernels, which are the ones Hugging Face's own greedy decoding runs (the exactness tests compare against it)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# the batch size oneDNN lays the blocks out for; a packed weight serves any number of rows, and 16 (a tree's
+# verify) was as fast as 1 at one row and faster from four rows on
+PACK_FOR_ROWS = 16
+PACKABLE = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+
+
+class PrepackedLinear(nn.Module):
+    """`nn.Linear` over a weight in oneDNN's blocked layout. The packed weight takes the place of the dense one
+    among the model's parameters (so the parameter count, which names the model in cost tables, is unchanged);
+    `weight` reads it back densely. An output layer keeps its dense weight as its parameter (EAGLE heads and
+    draft vocabularies read it every step; a tied one stays the input embedding) and the packed copy beside it."""
+
+    def __init__(self, linear: nn.Linear, keep_dense: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_FOR_ROWS)
+        if keep_dense:
+            self.dense = linear.weight  # the same parameter object: a tied weight stays tied, counted once
+            self._packed = packed  # a plain attribute: the parameter above already counts these weights
+        else:
+            self.register_parameter("dense", None)
+            self._packed = nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense if self.dense is not None else self._packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            # oneDNN's packed op has no backward: a loss through this layer (an EAGLE head trained through the
+            # target's lm_head) takes aten's linear over the dense weight
+            return nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE)) -> bool:
+    """Whether `prepack` would pack this model: CPU weights in one of `dtypes` that this CPU's oneDNN has native
+    kernels for (fp32 always has them)."""
+    param = next(model.parameters())
+    check = PACKABLE.get(param.dtype)
+    native = param.dtype == torch.float32 or (check is not None and bool(getattr(torch.ops.mkldnn, check)()))
+    return param.device.type == "cpu" and param.dtype in dtypes and torch.backends.mkldnn.is_available() and native
+
+
+@torch.no_grad()
+def prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE)) -> int:
+    """Swap every `nn.Linear` of a CPU model whose weights are in one of `dtypes` (by default bf16 and fp16: fp32
+    stays on the kernels Hugging Face's own decoding runs) for a `PrepackedLinear` in place; returns how many
+    were swapped (0 where `can_prepack` says no). The output layer keeps its dense weight too: EAGLE heads and
+    draft vocabularies read it, and a tied one is the input embedding anyway. Marks the model (`is_prepacked`),
+    whose cost tables are then its own: its forwards take less time than the same model's unpacked."""
+    if is_prepacked(model) or not can_prepack(model, dtypes):
+        return 0
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name, linear in linears:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, PrepackedLinear(linear, keep_dense=linear is output))
+    model.castspec_prepacked = True
+    return len(linears)
+
+
+def is_prepacked(model: nn.Module) -> bool:
+    return bool(getattr(model, "castspec_prepacked", False))

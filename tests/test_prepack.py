@@ -1,0 +1,105 @@
+"""decode.prepack, on the real SmolLM2-135M: linear weights reordered once for the CPU's matrix units. The swap
+keeps the model what it was (the stock modules call it, the parameter count that names the model is unchanged,
+logits equal up to the kernels' rounding), decoding on the packed path is exact (packed in fp32 on purpose here:
+every method's greedy output equals the same path's AR output, alone and batched), its cost tables are its own,
+and gradients still flow through a packed layer (a head trained through the target's lm_head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from synthetic import flat_costs
+from test_exactness import PROMPTS, engines
+from torch import nn
+
+from castspec import Engine
+from castspec.costs.table import CostTable, model_identity, setup_key
+from castspec.decode.prepack import PrepackedLinear, can_prepack, is_prepacked, prepack
+from castspec.drafters.ngram import NgramDrafter
+from castspec.errors import CastspecError
+from castspec.models import load_model
+from castspec.policies.cast import CastPolicy
+
+NEW_TOKENS = 24
+
+
+def linears(model: nn.Module) -> int:
+    return sum(type(m) is nn.Linear for m in model.modules())
+
+
+@pytest.fixture(scope="module")
+def packed_fp32():
+    """A second fp32 SmolLM, packed although fp32 is not packed by default: exactness is tested in fp32."""
+    model, tokenizer = load_model("smollm2-135m", "fp32")
+    assert not is_prepacked(model)  # the default leaves fp32 on aten's kernels, which HF's decoding runs
+    count = linears(model)
+    assert prepack(model, dtypes=(torch.float32,)) == count > 0
+    assert linears(model) == 0 and sum(isinstance(m, PrepackedLinear) for m in model.modules()) == count
+    return model, tokenizer
+
+
+def test_bf16_is_packed_by_default_with_the_same_parameters_and_logits():
+    stock, tokenizer = load_model("smollm2-135m", "bf16", prepack=False)
+    if not can_prepack(stock):
+        pytest.skip("this CPU's oneDNN has no native bf16 kernels: bf16 stays unpacked here")
+    packed, _ = load_model("smollm2-135m", "bf16")
+    assert is_prepacked(packed) and not is_prepacked(stock) and linears(packed) == 0
+    assert model_identity(packed) == model_identity(stock)  # the same model, by the key that names it
+    stock_key, packed_key = setup_key(stock), setup_key(packed)
+    assert packed_key.pop("linears") == "onednn-prepacked" and packed_key == stock_key
+    ids = torch.tensor([tokenizer(PROMPTS[2] + PROMPTS[6]).input_ids])
+    with torch.inference_mode():
+        want, got = stock(ids).logits.float(), packed(ids).logits.float()
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)  # bf16 rounding, nothing more
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+    # the output layer keeps its dense weight (EAGLE heads and draft vocabularies slice it)
+    assert torch.equal(packed.get_output_embeddings().weight, stock.get_output_embeddings().weight)
+
+
+def test_every_method_on_the_packed_path_gives_its_own_ar_output(packed_fp32):
+    model, tokenizer = packed_fp32
+    made = dict(engines(model, tokenizer))
+    made["cast-ngram"] = Engine(model, tokenizer, NgramDrafter(), CastPolicy(flat_costs(), auto=True))
+    ar = made.pop("ar")
+    for prompt in PROMPTS[:6] + PROMPTS[10:12]:
+        expected = ar.generate(prompt=prompt, max_new_tokens=NEW_TOKENS).output_ids
+        for name, engine in made.items():
+            assert engine.generate(prompt=prompt, max_new_tokens=NEW_TOKENS).output_ids == expected, (name, prompt)
+
+
+def test_batched_decoding_on_the_packed_path_gives_each_row_its_ar_output(packed_fp32):
+    model, tokenizer = packed_fp32
+    prompts = PROMPTS[:4]
+    ar = Engine(model, tokenizer)
+    expected = [ar.generate(prompt=p, max_new_tokens=NEW_TOKENS).output_ids for p in prompts]
+    for engine in (ar, dict(engines(model, tokenizer))["eagle2-draft"]):
+        assert [g.output_ids for g in engine.generate_batch(prompts, NEW_TOKENS)] == expected
+
+
+def test_cost_tables_of_packed_and_unpacked_setups_are_kept_apart(packed_fp32, smollm, tmp_path):
+    packed_model, _ = packed_fp32
+    stock_model, _ = smollm
+    table = flat_costs()
+    table.meta = {"target": setup_key(stock_model)}
+    table.save(tmp_path / "stock.json")
+    assert CostTable.load(tmp_path / "stock.json", expect=setup_key(stock_model))
+    with pytest.raises(CastspecError, match="linears: table None, here 'onednn-prepacked'"):
+        CostTable.load(tmp_path / "stock.json", expect=setup_key(packed_model))
+    table.meta = {"target": setup_key(packed_model)}
+    table.save(tmp_path / "packed.json")
+    with pytest.raises(CastspecError, match="linears: table 'onednn-prepacked', here None"):
+        CostTable.load(tmp_path / "packed.json", expect=setup_key(stock_model))
+
+
+def test_gradients_flow_through_a_packed_layer_as_through_nn_linear():
+    torch.manual_seed(0)
+    plain = nn.Linear(32, 16)
+    packed = PrepackedLinear(plain, keep_dense=True)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    plain(x).square().sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    packed(x).square().sum().backward()
+    torch.testing.assert_close(x.grad, want)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x.detach()), plain(x.detach()), atol=1e-4, rtol=1e-4)
