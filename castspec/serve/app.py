@@ -205,8 +205,9 @@ class Server:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
-            if chat:
-                yield chunk(ids=[], role="assistant")
+            # the role comes with the first token, as vLLM sends it: a role-only chunk before the prefill made
+            # clients time the first token at a few milliseconds (issue 38)
+            role = "assistant" if chat else None
             last = None
             async for out in self._guarded(outputs):
                 if isinstance(out, str):  # an error event: the stream ends with it
@@ -215,7 +216,8 @@ class Server:
                 last = out
                 reason = P.FINISH_REASONS[out.finish_reason] if out.finished else None
                 if out.new_token_ids or out.text or reason:
-                    yield chunk(out.text, out.new_token_ids, reason)
+                    yield chunk(out.text, out.new_token_ids, reason, role)
+                    role = None
             if include_usage and last is not None:
                 yield chunk(usage_of=last)
             yield _sse("[DONE]")
