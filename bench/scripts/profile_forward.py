@@ -123,9 +123,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=6, help="timed forwards of each case per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of bandwidth + forwards")
+    parser.add_argument("--no-prepack", dest="prepack", action="store_false",
+                        help="the weights as loaded (before decode.prepack, the only path of the first profiles)")
     args = parser.parse_args()
     print(f"loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
-    model, _ = load_model(args.model, args.dtype)
+    model, _ = load_model(args.model, args.dtype, prepack=args.prepack)
     # a decode forward reads every weight but the input embedding's table, of which it looks up one row a token
     embedding = model.get_input_embeddings().weight
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
@@ -151,14 +153,14 @@ def main() -> None:
         print(f"profiling {name} ...", file=sys.stderr, flush=True)
         wall = statistics.median(one_forward(model, case) for _ in range(args.repeats)) * 1e3
         cases.append({"case": name, **profile_case(model, case, wall)})
-    result = {"meta": {"machine": machine_label(), "model": args.model, "dtype": args.dtype,
+    result = {"meta": {"machine": machine_label(), "model": args.model, "dtype": args.dtype, "prepack": args.prepack,
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "date": time.strftime("%Y-%m-%d %H:%M"), "context": args.context,
                        "command": "python " + " ".join(sys.argv)},
               "weight_gb": round(weight_bytes / 1e9, 3), "rounds": rounds, "cases": cases}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Where one forward goes: {args.model} {args.dtype}, {result['meta']['machine']}", "",
              f"`{result['meta']['command']}` ({result['meta']['date']}, {result['meta']['threads']} threads, "
              f"B = 1, {args.context} tokens of context)", "",
@@ -179,7 +181,7 @@ def main() -> None:
     lines += ["", "Largest ops (self time, ms per forward, profiled):", ""]
     for c in cases:
         lines.append(f"- {c['case']}: " + ", ".join(f"`{k}` {v}" for k, v in list(c["top_ops_ms"].items())[:8]))
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    (out.parent / f"{out.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

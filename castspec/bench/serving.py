@@ -55,25 +55,34 @@ def launch_server(model: str, args: list[str], log_path: Path, dtype: str = "bf1
                                 env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + start_timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.flush()
-                    raise CastspecError(f"castspec serve exited with {proc.returncode}:\n{log_path.read_text()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise CastspecError(f"castspec serve did not come up in {start_timeout_s:.0f} s")
-                time.sleep(0.3)
+            log.flush()
+            wait_until_up(proc, f"{base}/health", start_timeout_s, log_path)
             yield base
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop(proc, 30)
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path) -> float:
+    """Seconds until `url` answers 200; the server's log in the error if it exits or does not come up."""
+    start = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise CastspecError(f"{proc.args[0]} exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise CastspecError(f"{proc.args[0]} did not come up in {timeout_s:.0f} s (log: {log_path})")
+        time.sleep(0.3)
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def server_args(spec: MethodSpec, draft: str | None, head: str | None) -> list[str]:
