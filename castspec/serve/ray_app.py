@@ -41,7 +41,8 @@ from castspec.serve.metrics import PUSH_EVERY_S, ServerMetrics
 REPLICA_HEADER = "x-castspec-replica"
 STALE_AFTER_S = 30.0  # a replica silent this long (dead, scaled down) leaves /metrics
 CONSTRUCTOR_RETRIES = 3  # Serve's default of 20 makes a replica that cannot load take minutes to report it
-LOAD_ONLY = ("model", "dtype", "device", "cost_table", "force_table")  # Engine.load arguments check_options lacks
+# Engine.load arguments that check_options lacks
+LOAD_ONLY = ("model", "dtype", "device", "prepack", "cost_table", "force_table")
 
 
 @dataclass
