@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from castspec.decode.prepack import is_prepacked
 from castspec.errors import CastspecError
 
 FORMAT = "castspec-cost-table/1"
@@ -81,7 +82,7 @@ def setup_key(model, dtype: torch.dtype | None = None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    if getattr(model, "castspec_prepacked", False):  # decode.prepack: faster forwards than the same model's unpacked
+    if is_prepacked(model):  # faster forwards than the same model's unpacked: tables of its own
         key["linears"] = "onednn-prepacked"
     return key
 
@@ -266,8 +267,8 @@ class CostTable:
             raise CastspecError(f"cost table {path} is corrupt: missing or malformed {e}") from e
         if expect is not None and not force:
             measured = table.meta.get("target", {})
-            # "linears" is absent from the keys of unpacked models (and of every table made before it existed)
-            mismatched = [k for k in KEY_FIELDS if (k in expect or k == "linears") and measured.get(k) != expect.get(k)]
+            # a key field either side records must agree: "linears" is recorded for packed models only
+            mismatched = [k for k in KEY_FIELDS if (k in expect or k in measured) and measured.get(k) != expect.get(k)]
             if mismatched:
                 detail = "; ".join(f"{k}: table {measured.get(k)!r}, here {expect.get(k)!r}"
                                    for k in mismatched)
