@@ -10,6 +10,7 @@ from pathlib import Path
 from castspec.costs.probe import MODEL_FREE, find_cost_table, online_cost_model
 from castspec.costs.table import CostTable, model_identity, setup_key
 from castspec.decode.engine import StepEngine, StepStats, StopCondition, decode
+from castspec.decode.prefix_cache import PrefixCache, gigabytes
 from castspec.decode.sampling import SamplingParams
 from castspec.decode.target import Target
 from castspec.drafters.base import Drafter
@@ -260,10 +261,14 @@ class Engine:
         engine.choice = choice
         return engine
 
-    def stepper(self, max_batch_size: int = 8, max_waiting: int | None = None) -> StepEngine:
-        """A stepping engine over this engine's target, drafter and policy (continuous batching; the server's)."""
+    def stepper(self, max_batch_size: int = 8, max_waiting: int | None = None, prefix_cache_gb: float = 0.0,
+                prefill_chunk: int | None = None) -> StepEngine:
+        """A stepping engine over this engine's target, drafter and policy (continuous batching; the server's).
+        `prefix_cache_gb` > 0: joining prompts reuse earlier sequences' KV, up to that many GiB kept;
+        `prefill_chunk`: tokens prefilled per step while other rows decode (None: a joining prompt at once)."""
+        cache = PrefixCache(gigabytes(prefix_cache_gb)) if prefix_cache_gb > 0 else None
         return StepEngine(self.target, self.drafter, self.policy, self.tokenizer, self.eos_ids, max_batch_size,
-                          max_waiting)
+                          max_waiting, cache, prefill_chunk)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         return encode_text(self.tokenizer, prompt, messages)

@@ -280,7 +280,9 @@ def test_a_full_waiting_queue_answers_429(tmp_path):
     with live_server("--method", "ar", "--max-batch-size", "1", "--max-waiting", "1",
                      log_path=tmp_path / "queue.log") as base:
         async def scenario():
-            async with httpx.AsyncClient(base_url=base, timeout=120) as h:
+            # a generous read timeout: with two test workers and their servers on two cores, threads oversubscribe
+            # and a 160-token answer that takes 7 s alone was seen taking 95 s
+            async with httpx.AsyncClient(base_url=base, timeout=600) as h:
                 long = asyncio.create_task(h.post("/v1/completions", json={
                     "model": MODEL, "prompt": PROMPTS[6], "max_tokens": 160, "temperature": 0}))
                 deadline = time.monotonic() + 60
@@ -293,7 +295,7 @@ def test_a_full_waiting_queue_answers_429(tmp_path):
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.05)
                 refused = await h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-                done = await asyncio.wait_for(asyncio.gather(long, queued), 300)
+                done = await asyncio.wait_for(asyncio.gather(long, queued), 600)
                 return refused, done
 
         refused, done = asyncio.run(scenario())

@@ -116,6 +116,11 @@ def load_prompt_set(name: str) -> list[dict]:
     return out
 
 
+def mtbench_second_turns() -> dict[str, str]:
+    """MT-bench's second user turn of each question, by the id `load_prompt_set` gives its first."""
+    return {f"mtbench-{row['question_id']}": row["turns"][1] for row in _rows("mtbench") if len(row["turns"]) > 1}
+
+
 def read_prompts_file(path: str) -> list[dict]:
     """A JSONL file of {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} lines."""
     file = Path(path)

@@ -48,6 +48,8 @@ ITEM_DRAFTERS = ("draft", "ngram", "suffix", "head", "draft+ngram", "head+ngram"
 # one tree over the earlier prompts' outputs) wherever a suffix tree does
 DRAFTER_OPTIONS = {d: ("max_n", "min_n") if d.endswith("ngram") else ("depth", "shared")
                    for d in ITEM_DRAFTERS if d.endswith(("ngram", "suffix"))}
+# what a server runs besides its method (castspec serve's --prefix-cache-gb, --prefill-chunk): bench-serve only
+SERVER_OPTIONS = ("prefix_cache_gb", "prefill_chunk")
 
 
 def _parse_item(item: str) -> MethodSpec:
@@ -65,7 +67,7 @@ def _parse_item(item: str) -> MethodSpec:
             continue
         for pair in extra.split(","):
             key, _, value = pair.partition("=")
-            allowed = METHOD_OPTIONS.get(method, ()) + DRAFTER_OPTIONS.get(drafter or "", ())
+            allowed = METHOD_OPTIONS.get(method, ()) + DRAFTER_OPTIONS.get(drafter or "", ()) + SERVER_OPTIONS
             if key not in allowed:
                 raise CastspecError(f"method item {item!r}: {key!r} is not an option of {method}"
                                     f"{' with the ' + drafter + ' drafter' if drafter else ''} "
@@ -95,10 +97,17 @@ def model_free_from_spec(spec: MethodSpec) -> Drafter:
     return SuffixDrafter(depth, SharedSuffixTrie(shared, depth) if shared else None, share=bool(shared))
 
 
-def parse_methods(text: str) -> list[MethodSpec]:
+def parse_methods(text: str, server: bool = False) -> list[MethodSpec]:
     """'ar;chain:draft:chain_length=4;eagle2:ngram;hf-assisted' -> specs. Label = the item's text. Unknown
-    methods, drafters and options are refused here, before any model loads."""
-    return [_parse_item(item) for item in filter(None, (part.strip() for part in text.split(";")))]
+    methods, drafters and options are refused here, before any model loads. `server`: the items configure servers
+    (bench-serve), which also take SERVER_OPTIONS ('cast:suffix:prefix_cache_gb=0')."""
+    specs = [_parse_item(item) for item in filter(None, (part.strip() for part in text.split(";")))]
+    for spec in specs:
+        server_only = sorted(set(spec.options) & set(SERVER_OPTIONS))
+        if server_only and not server:
+            raise CastspecError(f"method item {spec.label!r}: {', '.join(server_only)} configure a server; "
+                                "only castspec bench-serve takes them")
+    return specs
 
 
 def method_family(label: str) -> tuple[str, str | None]:
@@ -122,7 +131,7 @@ def drafter_options(spec: MethodSpec) -> dict:
 def policy_options(spec: MethodSpec, costs=None) -> dict:
     """make_policy's keyword arguments for a method item: its options (the drafter's left out), CAST's short ones
     spelled out."""
-    options = {k: v for k, v in spec.options.items() if k not in drafter_options(spec)}
+    options = {k: v for k, v in spec.options.items() if k not in drafter_options(spec) and k not in SERVER_OPTIONS}
     if spec.method == "cast":
         options["cost_table"] = costs
         options["cast_auto"] = bool(options.pop("auto", 1))

@@ -26,14 +26,17 @@ from pathlib import Path
 import httpx
 
 from castspec.bench import PER_CLIENT
+from castspec.bench.conversations import reset_prefix_cache, sessions_at_concurrency, turn_latencies
 from castspec.bench.runner import MethodSpec
 from castspec.errors import CastspecError
 from castspec.serve.metrics import PUSH_EVERY_S
 
 START_TIMEOUT_S = 600
+WARM_UP = {"id": "warm-up", "messages": [{"role": "user", "content": "Say hello."}]}
 CLI_FLAGS = {"chain_length": "--chain-length", "top_k": "--top-k", "depth": "--depth",
              "total_tokens": "--total-tokens", "cast_c1": "--cast-c1", "cast_c2": "--cast-c2", "cast_c3": "--cast-c3",
-             "cast_r": "--cast-r", "cast_max_depth": "--cast-max-depth"}
+             "cast_r": "--cast-r", "cast_max_depth": "--cast-max-depth", "prefix_cache_gb": "--prefix-cache-gb",
+             "prefill_chunk": "--prefill-chunk"}
 
 
 def free_port() -> int:
@@ -134,6 +137,8 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    text: str = ""  # the answer (a conversation's next turn sends it back)
+    turn: int = 0  # the turn of its conversation (0: not part of one)
 
 
 async def stream_request(client: httpx.AsyncClient, model: str, prompt: dict, max_tokens: int) -> RequestRecord:
@@ -154,6 +159,7 @@ async def stream_request(client: httpx.AsyncClient, model: str, prompt: dict, ma
                     record.error = chunk["error"]["message"]
                     return record
                 ids = [t for choice in chunk["choices"] for t in choice.get("token_ids") or []]
+                record.text += "".join((choice.get("delta") or {}).get("content") or "" for choice in chunk["choices"])
                 if ids:
                     now = time.perf_counter()
                     record.first_token = record.first_token or now
@@ -252,6 +258,11 @@ def summarise_level(records: list[RequestRecord], wall: float, before: dict, aft
                             if delta.get("castspec:spec_decode_num_draft_tokens_total") else None),
         "drafted_row_steps": drafts,
         "tree_size_by_batch": {b: round(statistics.fmean(v), 2) for b, v in sorted(by_batch.items())},
+        # vLLM's meaning: prompt tokens found in the prefix cache over prompt tokens looked up
+        "prefix_hit_rate": (delta.get("castspec:prefix_cache_hits_total", 0.0)
+                            / delta["castspec:prefix_cache_queries_total"]
+                            if delta.get("castspec:prefix_cache_queries_total") else None),
+        **(turn_latencies(ok) if any(r.turn for r in ok) else {}),
         "outputs": {r.prompt_id: r.token_ids for r in ok},
     }
 
@@ -277,7 +288,7 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
                     rates: list[float], max_tokens: int, dtype: str, max_batch_size: int, draft: str | None = None,
                     head: str | None = None, timeout_s: float = 3600, replicas: list[int] | None = None,
                     replica_cpus: float = 1.0, log=print, per_client: int = PER_CLIENT,
-                    trace_dir: Path | None = None) -> dict:
+                    trace_dir: Path | None = None, sessions: list[dict] | None = None) -> dict:
     """Every level against every method's server; returns rows and a summary.
 
     One process per method (no `replicas`): all the servers are started first, then each level runs against each
@@ -286,7 +297,9 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
     deciding a ratio. With `replicas` (0 = one process without Ray, N = N Ray Serve replicas of `replica_cpus`
     CPUs and threads each) the servers compete for the same CPUs, so they run one after another. A concurrency
     level sends `level_prompts(prompts, c, per_client)`. With `trace_dir`, every server's per-step trace (prefill
-    and decode steps, with their times) is kept there as INDEX-trace.jsonl."""
+    and decode steps, with their times) is kept there as INDEX-trace.jsonl. With `sessions` (the conversation
+    benchmark), a concurrency level runs every session once (`concurrency` at a time, each turn sending the whole
+    history), each level starting from an empty prefix cache."""
     served = Path(model).name
     plans = [(spec, count) for spec in specs for count in (replicas or [None])]
     levels = [("concurrency", c) for c in concurrency] + [("rate", r) for r in rates]
@@ -304,8 +317,9 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
                 args += ["--replicas", str(count), "--replica-cpus", str(replica_cpus)]
             log(f"[{label}] starting castspec serve {' '.join(args)}")
             base = stack.enter_context(launch_server(model, args, Path(tmp) / f"{index}.log", dtype))
+            warm_up = [WARM_UP] if sessions else prompts[:1]  # not a session's turn: that would be a cached prefix
             for _ in range(max(1, count or 1)):  # warm-up: every replica probably gets one
-                asyncio.run(at_concurrency(base, served, prompts[:1], 1, 4, timeout_s))
+                asyncio.run(at_concurrency(base, served, warm_up, 1, 4, timeout_s))
             server = {"index": index, "label": label, "spec": spec, "count": count, "trace": trace, "base": base,
                       "seen": {}}
             _read_traces(trace, server["seen"])
@@ -316,8 +330,12 @@ def run_bench_serve(model: str, specs: list[MethodSpec], prompts: list[dict], co
             base, count = server["base"], server["count"]
             if count:
                 time.sleep(PUSH_EVERY_S + 0.5)
+            if sessions:
+                reset_prefix_cache(base)
             before, started = scrape(base), time.perf_counter()
-            if kind == "concurrency":
+            if sessions:
+                level = sessions_at_concurrency(base, served, sessions, value, max_tokens, timeout_s, stream_request)
+            elif kind == "concurrency":
                 level = at_concurrency(base, served, level_prompts(prompts, value, per_client), value, max_tokens,
                                        timeout_s)
             else:
@@ -390,6 +408,18 @@ def markdown_table(summary: list[dict]) -> str:
                      f"{_fmt(s['itl_p99_s'], 3)} | {_fmt(s['e2e_p50_s'], 1)} / {_fmt(s['e2e_p99_s'], 1)} | "
                      f"{_fmt(s['mean_batch_size'])} | {_fmt(s['mean_tree_size'], 1)} | {_fmt(s['tau'])} | {by_b} | "
                      f"{_fmt(s['same_as_ar'])}/{s['requests']} |")
+    if any("ttft_later_p50_s" in s for s in summary):
+        lines += ["", "Conversations: TTFT of first turns and of later turns (which resend the history), and the "
+                  "share of prompt tokens found in the prefix cache.", "",
+                  "| method | load | prefix hit rate | TTFT turn 1 p50 s | TTFT turns >= 2 p50 / p99 s | "
+                  "TTFT p50 by turn s |", "|" + "---|" * 6]
+        for s in summary:
+            if "ttft_later_p50_s" not in s:
+                continue
+            by_turn = ", ".join(f"{t}: {v:.2f}" for t, v in s["ttft_p50_by_turn"].items())
+            lines.append(f"| `{s['method']}` | c={s['level']} | {_fmt(s.get('prefix_hit_rate'), 3)} | "
+                         f"{_fmt(s['ttft_turn1_p50_s'])} | {_fmt(s['ttft_later_p50_s'])} / "
+                         f"{_fmt(s['ttft_later_p99_s'])} | {by_turn} |")
     return "\n".join(lines)
 
 
@@ -442,3 +472,29 @@ def save(result: dict, out_dir: Path, name: str, command: str, title: str, meta:
     (out_dir / f"{name}.md").write_text(f"# {title}\n\nCommand:\n\n```\n{command}\n```\n\n{meta_line}\n\n"
                                         f"{markdown_table(result['summary'])}\n\n![plot]({name}.png)\n")
     plot(result["summary"], out_dir / f"{name}.png", title)
+    if any("ttft_p50_by_turn" in s for s in result["summary"]):
+        plot_turns(result["summary"], out_dir / f"{name}-turns.png", title)
+        with (out_dir / f"{name}.md").open("a") as f:
+            f.write(f"\n![TTFT by turn]({name}-turns.png)\n")
+
+
+def plot_turns(summary: list[dict], out: Path, title: str) -> None:
+    """TTFT p50 per turn of the conversations, one line per method and load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for i, s in enumerate(x for x in summary if "ttft_p50_by_turn" in x):
+        turns = sorted(int(t) for t in s["ttft_p50_by_turn"])
+        ax.plot(turns, [s["ttft_p50_by_turn"][t] if t in s["ttft_p50_by_turn"] else s["ttft_p50_by_turn"][str(t)]
+                        for t in turns], marker="o", color=f"C{i % 10}", label=f"{s['method']} c={s['level']}")
+    ax.set(xlabel="turn of the conversation", ylabel="time to first token p50 (s)", yscale="log",
+           title="TTFT by turn (each turn resends the history)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

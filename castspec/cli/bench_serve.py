@@ -22,6 +22,11 @@ def register(sub) -> None:
     bserve.add_argument("--rates", default="", help="Poisson arrival rates (requests/s), e.g. 0.1,0.3")
     bserve.add_argument("--sets", default="mtbench,humaneval,gsm8k")
     bserve.add_argument("--per-set", type=int, default=3, help="prompts taken from each set (each level sends all)")
+    bserve.add_argument("--conversations", type=int, default=0,
+                        help="the conversation benchmark instead of single prompts: N sessions (code edits, "
+                             "revision, math, an agent loop) whose every turn resends the history; each level runs "
+                             "them all from an empty prefix cache (0: single prompts from --sets)")
+    bserve.add_argument("--turns", type=int, default=4, help="user turns per conversation (1..4, default 4)")
     bserve.add_argument("--max-tokens", type=int, default=64)
     bserve.add_argument("--per-client", type=int, default=PER_CLIENT,
                         help="a concurrency level cycles the prompts until each client has sent this many requests, "
@@ -42,7 +47,7 @@ def run_bench_serve(args) -> None:
     from castspec.bench.runner import _meta, parse_methods
     from castspec.bench.serving import run_bench_serve, save
 
-    specs = parse_methods(args.methods)
+    specs = parse_methods(args.methods, server=True)
     concurrency = int_list(args.concurrency, "--concurrency")
     rates = [float(r) for r in args.rates.split(",") if r.strip()] if args.rates else []
     if any(c < 1 for c in concurrency) or any(r <= 0 for r in rates):
@@ -57,16 +62,28 @@ def run_bench_serve(args) -> None:
             raise CastspecError(f"--replicas must be comma-separated integers, got {args.replicas!r}") from None
         if not replicas or any(r < 0 for r in replicas):
             raise CastspecError(f"--replicas counts must be 0 (one process) or more, got {args.replicas!r}")
+    sessions = None
+    if args.conversations:
+        from castspec.bench.conversations import conversation_sessions
+
+        if args.rates or args.replicas:
+            raise CastspecError("--conversations runs at fixed --concurrency levels on one process (no --rates, "
+                                "--replicas)")
+        sessions = conversation_sessions(args.conversations, args.turns)
     prompts = prompt_rows(args.sets, args.per_set, 0)
     result = run_bench_serve(args.model, specs, prompts, concurrency, rates, args.max_tokens, args.dtype,
                              args.max_batch_size, args.draft, args.head, args.timeout, replicas,
                              args.replica_cpus, log=lambda line: print(line, file=sys.stderr, flush=True),
-                             per_client=args.per_client, trace_dir=Path(args.out_dir) / f"{args.name}-traces")
+                             per_client=args.per_client, trace_dir=Path(args.out_dir) / f"{args.name}-traces",
+                             sessions=sessions)
     meta = {**_meta(args.max_tokens, len(prompts)), "dtype": args.dtype, "max_batch_size": args.max_batch_size,
             "per_client": args.per_client}
     if replicas:
         meta["replica_cpus"] = args.replica_cpus
+    if sessions:
+        meta.update(conversations=len(sessions), turns=args.turns)
     command = command_line()
+    what = f"{len(sessions)} conversations of {args.turns} turns" if sessions else f"{len(prompts)} prompts"
     save(result, Path(args.out_dir), args.name, command, f"castspec serve under load: {Path(args.model).name}, "
-         f"{len(prompts)} prompts per level", meta)
+         f"{what} per level", meta)
     print(Path(args.out_dir) / f"{args.name}.md")

@@ -7,6 +7,9 @@ import sys
 from castspec.cli.options import engine_args, engine_options, load_engine, policy_args
 from castspec.errors import CastspecError
 
+PREFIX_CACHE_GB = 2.0
+PREFILL_CHUNK = 128
+
 
 def register(sub) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching, streaming, metrics)")
@@ -16,6 +19,13 @@ def register(sub) -> None:
     serve.add_argument("--max-batch-size", type=int, default=8, help="rows decoded together at most (default 8)")
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="requests queued for a place in the batch before new ones get 429 (default 256)")
+    serve.add_argument("--prefix-cache-gb", type=float, default=PREFIX_CACHE_GB,
+                       help="GiB of earlier requests' KV kept so that prompts sharing a prefix with them (later "
+                            f"turns of a conversation) prefill only the rest; 0: off (default {PREFIX_CACHE_GB:g})")
+    serve.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                       help="prompt tokens prefilled per step while other requests decode, so that a long prompt "
+                            f"joining delays them by a chunk per step; 0: a whole prompt at once (default "
+                            f"{PREFILL_CHUNK})")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
     policy_args(serve)
     ray_group = serve.add_argument_group("scale out on Ray Serve (pip install 'castspec[ray]'; docs/ray-serve.md)")
@@ -46,13 +56,17 @@ def run_serve(args) -> None:
     for name in ("max_batch_size", "max_waiting"):
         if getattr(args, name) < 1:
             raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.prefix_cache_gb < 0 or args.prefill_chunk < 0:
+        raise CastspecError(f"--prefix-cache-gb and --prefill-chunk must be >= 0 (0: off), got "
+                            f"{args.prefix_cache_gb:g} and {args.prefill_chunk}")
     if not 0 < args.port < 65536:
         raise CastspecError(f"--port must be in 1..65535, got {args.port}")
     name = args.served_model_name or args.model
     if args.replicas is not None or args.ray_address is not None:
         return _serve_on_ray(args, name)
     engine = load_engine(args)
-    loop = EngineLoop(engine.stepper(args.max_batch_size, args.max_waiting), ServerMetrics(name), args.trace)
+    stepper = engine.stepper(args.max_batch_size, args.max_waiting, args.prefix_cache_gb, args.prefill_chunk or None)
+    loop = EngineLoop(stepper, ServerMetrics(name), args.trace)
     server = Server(loop, engine.tokenizer, name, engine.target.max_positions, args.max_waiting)
     print(f"castspec: serving {name!r} on http://{args.host}:{args.port}/v1; {engine.choice}"
           + (f" ({engine.policy.describe()})" if engine.policy else ""), file=sys.stderr, flush=True)
@@ -66,7 +80,8 @@ def _serve_on_ray(args, name: str) -> None:
         raise CastspecError(f"--replica-cpus must be positive (it is also the replica's torch threads), got "
                             f"{args.replica_cpus}")
     config = ReplicaConfig(engine_options(args), name, args.max_batch_size, args.max_waiting,
-                           threads=max(1, int(args.replica_cpus)), trace=args.trace)
+                           threads=max(1, int(args.replica_cpus)), trace=args.trace,
+                           prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None)
     replicas = 1 if args.replicas is None else args.replicas  # --ray-address alone: one replica on the cluster
     scale = ScaleConfig(replicas, args.replica_cpus, args.replica_gpus, args.max_ongoing_requests, args.min_replicas,
                         args.max_replicas, args.target_ongoing_requests)

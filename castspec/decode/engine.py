@@ -1,24 +1,27 @@
 """The stepping engine: requests join, each step drafts a tree per row, verifies them all in one target forward,
 accepts and commits; requests leave the moment they finish or are aborted.
 
-`StepEngine` is the one decode loop. `step()` either admits waiting requests (prefilled together, then appended
-to the running batch's KV) or runs one speculative step over every running row; `decode` (offline batches) and
-the server are loops over it."""
+`StepEngine` is the one decode loop. `step()` admits waiting requests (prefilled together in a KV cache of their
+own, then appended to the running batch's; with a prefill chunk, a chunk per step while the running rows go on
+decoding) and runs one speculative step over every running row; `decode` (offline batches) and the server are
+loops over it. With a prefix cache, joining prompts reuse the KV of earlier sequences' first tokens and every
+row's committed KV is stored when it leaves."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from castspec.costs.online import OnlineCostTable
 from castspec.decode.drafting import DraftRecord, grow_trees
+from castspec.decode.prefix_cache import PrefixCache
 from castspec.decode.sampling import SamplingParams
 from castspec.decode.step_timer import StepTimer
-from castspec.decode.target import Target
+from castspec.decode.target import PendingRows, Target
 from castspec.decode.tree import DraftTree
 from castspec.decode.verify import accept
 from castspec.drafters.base import Drafter
@@ -110,19 +113,22 @@ class RequestOutput:
     output_ids: list[int]  # every token so far
     steps: list[StepStats]  # every verify step so far
     full_text: str = ""  # every text delta so far, joined (once finished: the whole answer, cut at a stop string)
+    prefill_started: float | None = None  # perf_counter when its prefill began (queue time ends there)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
 
 
 @dataclass
 class StepInfo:
     """The latest step, for metrics and traces: which kind, how many rows, the trees they verified."""
 
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill" (rows joined), "prefill_chunk" (rows still prefilling) or "decode"
     batch_size: int
     tree_sizes: list[int]
     accepted: list[int]  # tokens emitted per row
     record: DraftRecord | None
     seconds: float
-    prompt_tokens: int = 0  # a prefill's prompt tokens in all (its forward is as wide as the longest times B)
+    prompt_tokens: int = 0  # prompt columns a prefill (chunk) forward ran, times its rows (holes included)
+    cached_tokens: int = 0  # of those, taken from the prefix cache (not prefilled)
 
 
 class _Sequence:
@@ -138,6 +144,9 @@ class _Sequence:
         self.reported = 0  # tokens already handed out
         self.text_sent = ""
         self.share_history: bool | None = None
+        self.prefill_started: float | None = None
+        self.cached_tokens = 0
+        self.committed_features: list[torch.Tensor] = []  # features of its committed KV (kept for a prefix cache)
 
 
 def _no_lap(phase: str) -> None:
@@ -156,14 +165,19 @@ class StepEngine:
 
     def __init__(self, target: Target, drafter: Drafter | None = None, policy: Policy | None = None,
                  tokenizer=None, eos_ids: set[int] | None = None, max_batch_size: int = 8,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None, prefix_cache: PrefixCache | None = None,
+                 prefill_chunk: int | None = None) -> None:
         if (drafter is None) != (policy is None):
             raise CastspecError("a drafter and a policy go together: give both (speculative) or neither (AR)")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise CastspecError(f"max batch size must be a positive integer, got {max_batch_size!r}")
         self.target, self.drafter, self.policy = target, drafter, policy
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids or ())
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise CastspecError(f"the prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
         self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
+        self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
         self.layers = drafter.feature_layers if drafter is not None else ()
         # a learning cost model takes this engine's timed forwards (it only changes which trees CAST picks)
         costs = getattr(policy, "costs", None)
@@ -171,7 +185,10 @@ class StepEngine:
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # row i of the target's (and drafter's) batch
         self.aborted: set[str] = set()
-        self.last_step: StepInfo | None = None
+        self._tails: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # finishing rows' accepted nodes
+        self.pending: PendingRows | None = None  # rows being prefilled (by chunks while others decode)
+        self.joining: list[_Sequence] = []  # their sequences
+        self.step_infos: list[StepInfo] = []  # what the latest step() ran: a prefill (chunk), a decode step or both
         self.timer: StepTimer | None = None  # set by `castspec bench --overhead`: per-phase step times
         self._ids = itertools.count()
         target.keep_rows([])
@@ -230,7 +247,11 @@ class StepEngine:
         self.aborted.add(str(request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.joining)
+
+    @property
+    def last_step(self) -> StepInfo | None:
+        return self.step_infos[-1] if self.step_infos else None
 
     @property
     def num_running(self) -> int:
@@ -242,14 +263,21 @@ class StepEngine:
 
     # -- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests if there is room (a prefill step), else one speculative step over the batch."""
+        """Admit waiting requests if there is room, else one speculative step over the batch. Without a prefill
+        chunk, admitting is a step of its own (the whole prefill); with one, while rows are running, each step
+        prefills one chunk of the joining prompts and then decodes the running rows, so that a long prompt
+        delays them by a chunk per step, not by its whole prefill."""
+        self.step_infos = []
         outputs = self._drop_aborted()
-        if self.waiting and len(self.running) < self.max_batch_size:
-            outputs += self._admit()
-        elif self.running:
-            outputs += self._decode_step()
-        else:
-            self.last_step = None
+        if not self.joining and self.waiting and len(self.running) < self.max_batch_size:
+            self._start_prefill()
+        if self.joining:
+            chunked = self.prefill_chunk is not None and bool(self.running)
+            outputs += self._prefill(self.prefill_chunk if chunked else None)
+            if not chunked:
+                return outputs
+        if self.running:
+            outputs = _one_per_request(outputs + self._decode_step())
         return outputs
 
     def _drop_aborted(self) -> list[RequestOutput]:
@@ -266,21 +294,73 @@ class StepEngine:
             outputs.append(self._output(self.running[i]))
         if gone:
             self._keep([i for i in range(len(self.running)) if i not in gone])
+        if any(s.id in self.aborted for s in self.joining):  # a half-prefilled group starts over without them
+            for seq in reversed(self.joining):
+                if seq.id in self.aborted:
+                    seq.stop.reason = "abort"
+                    outputs.append(self._output(seq))
+                else:
+                    self.waiting.appendleft(seq)
+            self.joining, self.pending = [], None
         self.aborted.clear()
         return outputs
 
     def _keep(self, rows: list[int]) -> None:
         if len(rows) < len(self.running):
+            if self.prefix_cache is not None:
+                for row in sorted(set(range(len(self.running))) - set(rows)):
+                    self._store_prefix(row, *self._tails.get(row, (None, None)))
+                self._tails = {}
             self.target.keep_rows(rows)
             if self.drafter is not None:
                 self.drafter.keep_rows(rows)
             self.running = [self.running[i] for i in rows]
 
-    def _admit(self) -> list[RequestOutput]:
-        t0 = _clock(self.target.device)
+    def _store_prefix(self, row: int, tail: list[int] | None = None, tail_features: torch.Tensor | None = None
+                      ) -> None:
+        """Put a leaving row's KV (its prompt and the tokens it accepted) into the prefix cache. `tail`: the nodes
+        of its last verified tree it accepted (root first), whose entries were computed but not committed: a row
+        that finishes in a step keeps every entry plain decoding would have (all but the last token's)."""
+        seq, cache = self.running[row], self.prefix_cache
+        tokens = seq.prompt + seq.output
+        count, entries = self.target.row_entries(row, tail or [])
+        count = min(count, len(tokens) - 1)
+        if count < cache.block_tokens:
+            return
+        features = None
+        if self.layers and seq.committed_features:
+            features = torch.cat(seq.committed_features + ([tail_features] if tail_features is not None else []))
+            features = features[:count] if features.shape[0] >= count else None
+        cache.insert(tokens[:count], entries[:, :, :, :count], features)
+
+    def _start_prefill(self) -> None:
+        """The waiting requests that fit join as one group: their cached prefixes are looked up, the rest is
+        prefilled by `_prefill`."""
         room = self.max_batch_size - len(self.running)
         joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        first, prompt_features = self.target.add_rows([s.prompt for s in joining], self.layers)
+        hits = [None] * len(joining)
+        if self.prefix_cache is not None:
+            hits = [self.prefix_cache.match(s.prompt, limit=len(s.prompt) - 1) for s in joining]
+        now = time.perf_counter()
+        for seq, hit in zip(joining, hits, strict=True):
+            seq.prefill_started, seq.cached_tokens = now, hit.length if hit is not None else 0
+        self.joining = joining
+        self.pending = self.target.start_rows([s.prompt for s in joining], self.layers, hits)
+
+    def _prefill(self, chunk_tokens: int | None) -> list[RequestOutput]:
+        """Prefill the joining group's next chunk (`chunk_tokens` over all its rows; None: the rest); once its
+        prompts are done, its rows join the batch with their first token."""
+        t0 = _clock(self.target.device)
+        pending, joining = self.pending, self.joining
+        columns = None if chunk_tokens is None else max(1, chunk_tokens // pending.rows)
+        start = pending.done_columns
+        if not self.target.prefill_chunk(pending, columns):
+            self.step_infos.append(StepInfo("prefill_chunk", len(joining), [0] * len(joining), [0] * len(joining),
+                                            None, _clock(self.target.device) - t0,
+                                            (pending.done_columns - start) * pending.rows))
+            return []
+        self.pending, self.joining = None, []
+        first, prompt_features = self.target.join_rows(pending)
         if self.drafter is not None:
             self.drafter.add_rows(len(joining))
             chosen = [(len(self.running) + i, s.share_history) for i, s in enumerate(joining)
@@ -292,13 +372,20 @@ class StepEngine:
             seq.root = accept(DraftTree.single(-1), first[i: i + 1], seq.sampling, seq.generator)[1]
             seq.unseen = seq.prompt + [seq.root]
             seq.features = [prompt_features[i]] if self.layers else []
+            if self.layers and self.prefix_cache is not None:
+                seq.committed_features = [prompt_features[i]]
             if seq.stop.push(seq.output, seq.root):
                 done.append(len(self.running) + i)
             outputs.append(self._output(seq))
         self.running += joining
+        if self.prefix_cache is not None:  # the prompts' KV, for requests that share them while these run
+            for row in range(len(self.running) - len(joining), len(self.running)):
+                if row not in done:
+                    self._store_prefix(row)
         self._keep([i for i in range(len(self.running)) if i not in done])
-        self.last_step = StepInfo("prefill", len(joining), [0] * len(joining), [1] * len(joining), None,
-                                  _clock(self.target.device) - t0, sum(len(s.prompt) for s in joining))
+        self.step_infos.append(StepInfo("prefill", len(joining), [0] * len(joining), [1] * len(joining), None,
+                                        _clock(self.target.device) - t0, (pending.done_columns - start) * pending.rows,
+                                        sum(s.cached_tokens for s in joining)))
         return outputs
 
     def _decode_step(self) -> list[RequestOutput]:
@@ -343,6 +430,8 @@ class StepEngine:
                 s.unseen += new_tokens
                 if self.layers:
                     s.features.append(verified_features[i, [0, *path]])
+                    if self.prefix_cache is not None:
+                        s.committed_features.append(s.features[-1])
                 s.root = bonus
             outputs.append(self._output(s))
         lap("outputs")
@@ -352,10 +441,13 @@ class StepEngine:
             self._learn(ctx, max(len(t) for t in trees), record, t1 - t0, t2 - t1)
         lap("policy")
         kept = [[0, *results[i][0]] for i in going]
+        if self.prefix_cache is not None:  # rows that finish here: their accepted nodes' entries go in the cache
+            self._tails = {i: ([0, *path], verified_features[i, [0, *path]] if self.layers else None)
+                           for i, (path, _) in enumerate(results) if i not in going}
         self._keep(going)
         if going:
             target.commit(kept)
-        self.last_step = StepInfo("decode", len(rows), [len(t) - 1 for t in trees], emitted, record, t2 - t0)
+        self.step_infos.append(StepInfo("decode", len(rows), [len(t) - 1 for t in trees], emitted, record, t2 - t0))
         if self.timer is not None:
             lap("commit")
             self.timer.end(len(rows), sum(len(t) - 1 for t in trees))
@@ -388,7 +480,8 @@ class StepEngine:
             if visible.startswith(seq.text_sent):
                 text = visible[len(seq.text_sent):]
                 seq.text_sent = visible
-        return RequestOutput(seq.id, new, text, finished, seq.stop.reason, seq.output, seq.steps, seq.text_sent)
+        return RequestOutput(seq.id, new, text, finished, seq.stop.reason, seq.output, seq.steps, seq.text_sent,
+                             seq.prefill_started, seq.cached_tokens)
 
     def _visible_text(self, seq: _Sequence, finished: bool) -> str:
         """The text a client may see so far: cut at a stop string once one completed; while running, without a
@@ -402,6 +495,16 @@ class StepEngine:
         text = text.rstrip("\ufffd")
         hold = max((len(s) - 1 for s in stops), default=0)
         return text[: len(text) - hold] if hold else text
+
+
+def _one_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """A request that joined and decoded in the same step gets one output with both steps' tokens."""
+    merged: dict[str, RequestOutput] = {}
+    for out in outputs:
+        earlier = merged.get(out.request_id)
+        merged[out.request_id] = out if earlier is None else replace(
+            out, new_token_ids=earlier.new_token_ids + out.new_token_ids, text=earlier.text + out.text)
+    return list(merged.values())
 
 
 def decode(

@@ -306,6 +306,14 @@ def build_app(server: Server, metrics: Callable[[], Awaitable[bytes]] | None = N
             return error_response(503, f"the engine loop has stopped: {server.loop.error!r}")
         return {"status": "ok"}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        # vLLM's endpoint of the same name: benchmarks start each run from a cold cache
+        if server.loop.engine.prefix_cache is None:
+            return error_response(400, "this server keeps no prefix cache (--prefix-cache-gb 0)")
+        await asyncio.to_thread(server.loop.reset_prefix_cache)
+        return {"status": "ok"}
+
     @app.get("/metrics")
     async def prometheus_metrics():
         text = await metrics() if metrics is not None else generate_latest(refreshed_registry(server))

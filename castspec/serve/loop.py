@@ -72,6 +72,13 @@ class EngineLoop:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def reset_prefix_cache(self, timeout: float = 60.0) -> None:
+        """Empty the prefix cache between steps (the engine thread owns it); returns once it is done."""
+        done = threading.Event()
+        self._inbox.put(("reset", done))
+        self._wake.set()
+        done.wait(timeout)
+
     def queued(self) -> int:
         """Requests waiting for a place in the batch, including those not yet handed to the engine."""
         return self.engine.num_waiting + self._pending
@@ -102,6 +109,10 @@ class EngineLoop:
             if item[0] == "abort":
                 self.engine.abort(item[1])
                 continue
+            if item[0] == "reset":
+                self.engine.prefix_cache.clear()
+                item[1].set()
+                continue
             _, request_id, prompt_ids, params, sink, arrived = item
             with self._pending_lock:
                 self._pending -= 1
@@ -113,8 +124,8 @@ class EngineLoop:
             self._live[request_id] = _Live(sink, len(prompt_ids), arrived)
 
     def _record(self, outputs: list[RequestOutput]) -> None:
-        now, info, m = time.perf_counter(), self.engine.last_step, self.metrics
-        if info is not None:
+        now, m = time.perf_counter(), self.metrics
+        for info in self.engine.step_infos:
             if info.kind == "decode":
                 m.observe_step(info.batch_size, info.tree_sizes, info.accepted)
             self._write_trace(info, now)
@@ -128,6 +139,9 @@ class EngineLoop:
                     live.first_token = now
                     m.prompt_tokens.inc(live.prompt_tokens)
                     m.ttft.observe(now - live.arrived)
+                    if out.prefill_started is not None:
+                        m.queue_time.observe(max(0.0, out.prefill_started - live.arrived))
+                        m.prefill_time.observe(now - out.prefill_started)
                 elif live.last_output is not None:
                     m.itl.observe(now - live.last_output)
                 live.last_output = now
@@ -144,11 +158,13 @@ class EngineLoop:
         if self._trace is None:
             return
         record = info.record
-        # 'kind': prefill steps (requests joining: batch_size is how many) stall the running rows; 'time' (the
-        # process's perf_counter at the step's end) and 'waiting' place them against the requests' own times
+        # 'kind': prefill steps (requests joining: batch_size is how many; 'prefill_chunk' while they are still
+        # prefilling) delay the running rows; 'time' (the process's perf_counter at the step() call's end) and
+        # 'waiting' place them against the requests' own times
         self._trace.write(json.dumps({
             "step": self._step_number, "kind": info.kind, "time": round(now, 4), "waiting": self.queued(),
             "running": self.engine.num_running, "batch_size": info.batch_size, "prompt_tokens": info.prompt_tokens,
+            "cached_tokens": info.cached_tokens,
             "tree_sizes": info.tree_sizes,
             "accepted": info.accepted, "seconds": round(info.seconds, 6),
             "layer_sizes": record.layer_sizes if record else [], "widths": record.widths if record else [],

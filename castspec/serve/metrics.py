@@ -8,6 +8,8 @@ accepted_tokens_per_pos counts, per depth, the steps whose accepted path reached
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
@@ -51,6 +53,17 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds",
                              "Time between two outputs of a request (one per step; a step may bring several tokens)",
                              LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to the start of its prefill",
+                                    LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Time from the start of its prefill to its first token", LATENCY_BUCKETS)
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prefix_cache_evictions = counter("prefix_cache_evictions", "Blocks evicted from the prefix cache")
+        self.prefix_cache_bytes = gauge("prefix_cache_bytes", "Bytes held by the prefix cache")
+        self.prefix_cache_blocks = gauge("prefix_cache_blocks", "Blocks held by the prefix cache")
+        self._prefix_seen = (0, 0, 0)  # the prefix cache's totals when last read
+        self._prefix_lock = threading.Lock()
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token", LATENCY_BUCKETS)
         self.num_drafts = counter("spec_decode_num_drafts", "Speculative steps (one per row per step that drafted)")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Drafted tokens verified by the target")
@@ -67,6 +80,16 @@ class ServerMetrics:
         self.running.set(engine.num_running)
         self.kv_rows.set(engine.target.valid.shape[0])
         self.kv_columns.set(engine.target.length)
+        cache = engine.prefix_cache
+        if cache is not None:  # counters follow the cache's own totals (the engine thread and /metrics both call)
+            with self._prefix_lock:
+                totals = (cache.queries, cache.hits, cache.evictions)
+                for counter, total, seen in zip((self.prefix_cache_queries, self.prefix_cache_hits,
+                                                 self.prefix_cache_evictions), totals, self._prefix_seen, strict=True):
+                    counter.inc(max(0, total - seen))
+                self._prefix_seen = totals
+            self.prefix_cache_bytes.set(cache.nbytes)
+            self.prefix_cache_blocks.set(len(cache))
 
     def accepted_at(self, position: int):
         return self._per_pos.labels(self.model_name, str(position))

@@ -55,6 +55,8 @@ class ReplicaConfig:
     max_waiting: int = 256
     threads: int = 1  # torch threads per replica
     trace: str | None = None  # each replica writes STEM.<replica id>.jsonl beside it
+    prefix_cache_gb: float = 0.0  # each replica keeps its own
+    prefill_chunk: int | None = None
 
 
 @dataclass
@@ -190,7 +192,9 @@ class CastspecReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
         engine = await asyncio.to_thread(Engine.load, **config.engine)
         name = config.served_model_name
-        loop = EngineLoop(engine.stepper(config.max_batch_size, config.max_waiting), ServerMetrics(name),
+        stepper = engine.stepper(config.max_batch_size, config.max_waiting, config.prefix_cache_gb,
+                                 config.prefill_chunk)
+        loop = EngineLoop(stepper, ServerMetrics(name),
                           _replica_trace(config.trace, self.replica))
         self.server = Server(loop, engine.tokenizer, name, engine.target.max_positions, config.max_waiting)
         self.board = board
