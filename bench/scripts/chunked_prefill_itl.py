@@ -3,11 +3,13 @@
 One `castspec serve` per (method, --prefill-chunk) setting, all started first and measured in turn, in
 alternating order over the repeats (the machine drifts over minutes). Per measurement: two streaming clients
 decode long answers; once both stream steadily, a ~2k-token prompt arrives; the gaps between the running clients'
-chunks are split into "steady" (before it arrived) and "joining" (from its arrival to its first token). The prefix
+chunks are split into "steady" (both running, before it arrived) and "joining" (from its arrival to its first
+token). The prefix
 cache is off, so the long prompt is prefilled in full every time. Writes NAME.json, NAME.md, NAME.png.
 
-Run: .venv/bin/python bench/scripts/chunked_prefill_itl.py bench/prefix-cache/NAME [--chunks 0,32,64,128]
-     [--methods ar,cast-suffix] [--repeats 2] [--model qwen2.5-coder-1.5b]"""
+Run: .venv/bin/python bench/scripts/chunked_prefill_itl.py bench/prefix-cache/NAME
+     [--servers ar:0,ar:64,ar:128,cast-ngram:128] (METHOD:CHUNK, 0 = a whole prompt at once) [--repeats 2]
+     [--model qwen2.5-coder-1.5b]"""
 
 from __future__ import annotations
 
@@ -50,17 +52,25 @@ async def stream(client: httpx.AsyncClient, content: str, max_tokens: int, times
     body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
         async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"token_ids": [' in line and '"token_ids": []' not in line:
-                times.append(time.perf_counter())
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if any(choice.get("token_ids") for choice in chunk.get("choices", [])):
+                    times.append(time.perf_counter())
 
 
-async def measure(base: str, joining: str, runners: list[str], steady_chunks: int = 8) -> dict:
+async def measure(base: str, joining: str, runners: list[str], steady_chunks: int = 16) -> dict:
     """Two running streams; the long prompt joins once both have `steady_chunks` chunks."""
     async with httpx.AsyncClient(base_url=base, timeout=1800) as client:
         times: list[list[float]] = [[], []]
         tasks = [asyncio.create_task(stream(client, text, 1000, t)) for text, t in zip(runners, times, strict=True)]
-        while min(len(t) for t in times) < steady_chunks:
+        for _ in range(6000):  # at most 5 minutes
+            if min(len(t) for t in times) >= steady_chunks:
+                break
+            if any(task.done() for task in tasks):
+                raise RuntimeError(f"a running stream ended early: {[t.exception() for t in tasks if t.done()]}")
             await asyncio.sleep(0.05)
         sent = time.perf_counter()
         first: list[float] = []
@@ -72,11 +82,12 @@ async def measure(base: str, joining: str, runners: list[str], steady_chunks: in
         with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
             await asyncio.gather(*tasks)
     steady, during = [], []
+    both_running = max(t[1] for t in times)  # from the second chunk of the later runner: its own join is past
     for t in times:
         for a, b in zip(t, t[1:], strict=False):
-            if b <= sent:
+            if both_running <= a and b <= sent:
                 steady.append(b - a)
-            elif a < joined:  # a gap that overlaps the join's prefill
+            elif a < joined and b > sent:  # a gap that overlaps the join's prefill
                 during.append(b - a)
     return {"steady": steady, "joining": during, "ttft_joining_s": joined - sent}
 
@@ -97,8 +108,8 @@ def main() -> None:
     parser.add_argument("out", help="results path without suffix, e.g. bench/prefix-cache/chunked-itl")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--chunks", default="0,32,64,128")
-    parser.add_argument("--methods", default="ar,cast-suffix")
+    parser.add_argument("--servers", default="ar:0,ar:64,ar:128,cast-ngram:128",
+                        help=f"METHOD:CHUNK items, METHOD one of {', '.join(METHODS)}")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     args = parser.parse_args()
@@ -108,12 +119,13 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve(args.model))
     runners = [m["messages"][-1]["content"] for m in load_prompt_set("mtbench")[:2]]
-    plans = [(m, int(c)) for m in args.methods.split(",") for c in args.chunks.split(",")]
+    plans = [(item.split(":")[0], int(item.split(":")[1])) for item in args.servers.split(",")]
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         servers = []
         for i, (method, chunk) in enumerate(plans):
-            flags = [*METHODS[method], "--prefill-chunk", str(chunk), "--prefix-cache-gb", "0"]
+            flags = [*METHODS[method], "--prefill-chunk", str(chunk), "--prefix-cache-gb", "0",
+                     "--served-model-name", "m"]
             log(f"starting castspec serve {' '.join(flags)}")
             servers.append((f"{method} chunk={chunk}", stack.enter_context(
                 launch_server(args.model, flags, Path(tmp) / f"{i}.log", args.dtype))))

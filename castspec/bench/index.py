@@ -74,6 +74,27 @@ def headline(data: dict) -> str:
                     f"{last / first:.2f}x that for {grid['tokens'][-1]} tokens")
         except (KeyError, IndexError, TypeError, ZeroDivisionError):
             return "cost table"
+    joins = [r for r in data.get("rows", []) if isinstance(r, dict) and isinstance(r.get("p99_ratio"), float)]
+    if joins:  # bench/scripts/chunked_prefill_itl.py
+        return "ITL p99 while a long prompt joins / steady p99: " + ", ".join(
+            f"{r['server']} {r['p99_ratio']:.2f}x" for r in joins)
+    memory = data.get("summary")
+    if isinstance(memory, dict) and "rss_warm_max_mib" in memory:  # bench/scripts/prefix_cache_memory.py
+        return (f"{memory['turns']} turns: RSS {memory['rss_warm_min_mib']:.0f}-{memory['rss_warm_max_mib']:.0f} "
+                f"MiB after warm-up, prefix cache at most {memory['cache_max_mib']:.0f} of "
+                f"{memory['cache_bound_mib']:.0f} MiB, {memory['evictions']:.0f} evictions")
+    servers = data.get("servers")
+    if isinstance(servers, dict) and servers:  # the peer scripts: throughput per server and level
+        cells = []
+        for name, server in servers.items():
+            levels = server.get("levels", {}) if isinstance(server, dict) else {}
+            values = [v.get("throughput_tok_s", v.get("output_throughput")) for v in levels.values()
+                      if isinstance(v, dict)]
+            if values and all(isinstance(v, float) for v in values):
+                cells.append(f"{name} " + "/".join(f"{v:.2f}" for v in values))
+        if cells:
+            return "tok/s at " + "/".join(f"c={c}" for c in next(iter(servers.values())).get("levels", {})) + ": " \
+                + ", ".join(cells)
     host = [r["host_ms"] for r in data.get("rows", []) if isinstance(r, dict) and "host_ms" in r]
     if host:
         return f"host time per step {min(host):.2f}-{max(host):.2f} ms over {len(host)} methods"

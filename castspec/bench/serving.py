@@ -144,8 +144,9 @@ class RequestRecord:
 async def stream_request(client: httpx.AsyncClient, model: str, prompt: dict, max_tokens: int) -> RequestRecord:
     """One greedy streamed chat request; the arrival time of every chunk and the tokens it brought."""
     record = RequestRecord(prompt["id"], time.perf_counter())
+    # return_token_ids: vLLM's flag for the token ids castspec always sends, so that one client counts both alike
     body = {"model": model, "messages": prompt["messages"], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}
+            "stream": True, "return_token_ids": True}
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
