@@ -45,6 +45,13 @@ def test_bad_items_are_refused_with_the_reason(text, says):
     assert says in str(error.value)
 
 
+def test_server_options_are_for_bench_serve_only():
+    spec = parse_methods("cast:suffix:prefix_cache_gb=0,prefill_chunk=64", server=True)[0]
+    assert spec.options == {"prefix_cache_gb": 0, "prefill_chunk": 64}
+    with pytest.raises(CastspecError, match="only castspec bench-serve takes them"):
+        parse_methods("ar:prefix_cache_gb=0")
+
+
 def test_suffix_items_take_a_depth_and_a_shared_tree_and_calibrate_by_default():
     from castspec.bench.runner import model_free_from_spec
 

@@ -67,11 +67,12 @@ def _parse_item(item: str) -> MethodSpec:
             continue
         for pair in extra.split(","):
             key, _, value = pair.partition("=")
-            allowed = METHOD_OPTIONS.get(method, ()) + DRAFTER_OPTIONS.get(drafter or "", ()) + SERVER_OPTIONS
-            if key not in allowed:
+            allowed = METHOD_OPTIONS.get(method, ()) + DRAFTER_OPTIONS.get(drafter or "", ())
+            if key not in allowed + SERVER_OPTIONS:
                 raise CastspecError(f"method item {item!r}: {key!r} is not an option of {method}"
                                     f"{' with the ' + drafter + ' drafter' if drafter else ''} "
-                                    f"(it has: {', '.join(allowed) or 'none'})")
+                                    f"(it has: {', '.join(allowed) or 'none'}); a served item also takes "
+                                    f"{', '.join(SERVER_OPTIONS)}")
             try:
                 options[key] = float(value) if "." in value else int(value)
             except ValueError as e:
