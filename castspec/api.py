@@ -9,6 +9,7 @@ from pathlib import Path
 
 from castspec.costs.probe import MODEL_FREE, find_cost_table, online_cost_model
 from castspec.costs.table import CostTable, model_identity, setup_key
+from castspec.decode.constraints import GrammarCompiler, grammar_from_response_format
 from castspec.decode.engine import StepEngine, StepStats, StopCondition, decode
 from castspec.decode.prefix_cache import PrefixCache, gigabytes
 from castspec.decode.sampling import SamplingParams
@@ -90,17 +91,21 @@ def stop_token_ids(model, tokenizer) -> set[int]:
     return {int(e) for e in eos} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
-def encode_text(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+def encode_text(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of a plain prompt, or of chat messages through the tokenizer's chat template (generation prompt
-    added), as the engine decodes them."""
+    added; `tools`, OpenAI function tools, shown to the model as its template shows them), as the engine
+    decodes them."""
     if (prompt is None) == (messages is None):
         raise CastspecError("give exactly one of a prompt or chat messages")
     if messages is not None:
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not messages or not all(isinstance(m, dict) and "role" in m and ("content" in m or "tool_calls" in m)
+                                   for m in messages):
             raise CastspecError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
         if tokenizer.chat_template is None:
             raise CastspecError("this model's tokenizer has no chat template: give a plain prompt")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                            tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     else:
         if not isinstance(prompt, str) or not prompt:
@@ -172,6 +177,7 @@ class Engine:
         self.target = Target(model)
         self.drafter, self.policy = drafter, policy
         self.eos_ids = stop_token_ids(model, tokenizer)
+        self._grammars: GrammarCompiler | None = None
         self.choice = "method ar" if drafter is None else f"method {policy.name} over the {drafter.name} drafter"
 
     @staticmethod
@@ -270,26 +276,35 @@ class Engine:
         return StepEngine(self.target, self.drafter, self.policy, self.tokenizer, self.eos_ids, max_batch_size,
                           max_waiting, cache, prefill_chunk)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's view of the tokenizer, built at the first constrained generation (~2 s)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.model.config.vocab_size, self.eos_ids)
+        return self._grammars
+
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         return encode_text(self.tokenizer, prompt, messages)
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None, max_new_tokens: int = 128,
                  stop: list[str] | None = None, prompt_ids: list[int] | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 draft_sampling: str = "topk") -> Generation:
+                 draft_sampling: str = "topk", response_format=None) -> Generation:
         """Greedy generation (temperature 0) is token-identical to the target's own greedy decoding; with
         temperature > 0 the output is distributed exactly as plain sampling with the same temperature, top_p and
         top_k, and the same seed repeats the same output. `draft_sampling`: the drafter proposes its top-k
-        ("topk") or draws its candidates from its own distribution ("sample", draft models only)."""
+        ("topk") or draws its candidates from its own distribution ("sample", draft models only).
+        `response_format`: OpenAI's ({"type": "json_schema", "json_schema": {"schema": ...}}, json_object) or a
+        `Grammar` (regex, choice, lark): the output is what the target decodes under that grammar's mask."""
         ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, messages)
         return self.generate_batch(prompt_ids=[ids], max_new_tokens=max_new_tokens, stop=stop,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                   draft_sampling=draft_sampling)[0]
+                                   draft_sampling=draft_sampling, response_format=response_format)[0]
 
     def generate_batch(self, prompts: list[str | list[dict]] | None = None, max_new_tokens: int = 128,
                        stop: list[str] | None = None, prompt_ids: list[list[int]] | None = None,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                       draft_sampling: str = "topk") -> list[Generation]:
+                       draft_sampling: str = "topk", response_format=None) -> list[Generation]:
         """Generate for several prompts at once (a prompt string or a list of chat messages each): one batched
         target forward per step, every row drafting its own tree. Greedy rows are token-identical to
         generating each prompt alone. Sampling: row b uses seed + b."""
@@ -321,9 +336,11 @@ class Engine:
                                         "leaving no room to generate")
                 budget = min(max_new_tokens, limit - len(ids))
             conditions.append(StopCondition(budget, self.eos_ids, stop or [], self.tokenizer))
+        grammar = grammar_from_response_format(response_format)
+        constraints = [self.grammars.constraint(grammar) for _ in prompt_ids] if grammar is not None else None
         start = time.perf_counter()
         outputs, steps = decode(self.target, self.drafter, self.policy, [list(i) for i in prompt_ids], conditions,
-                                sampling, generators)
+                                sampling, generators, constraints)
         wall = time.perf_counter() - start
         return [Generation(self.tokenizer.decode(out, skip_special_tokens=True), out, len(ids),
                            cond.reason or "max_new_tokens", wall, row_steps)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from castspec.cli.options import engine_args, load_engine, policy_args, sampling_args, sampling_params
+from castspec.decode.constraints import Grammar, GrammarError
 from castspec.errors import CastspecError
 
 
@@ -22,6 +23,13 @@ def register(sub) -> None:
                                                                "per step for all of them)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE", help="structured output: every answer is JSON valid "
+                                                                 "under this JSON schema (a file)")
+    structured.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
+    structured.add_argument("--regex", help="structured output: every answer matches this regular expression")
+    structured.add_argument("--choice", action="append", help="structured output: every answer is one of these "
+                                                             "strings (repeatable)")
     policy_args(gen)
     sampling_args(gen)
 
@@ -51,6 +59,7 @@ def run_generate(args) -> None:
     if args.batch_size < 1:
         raise CastspecError(f"--batch-size must be positive, got {args.batch_size}")
     rows = read_prompts_file(args.prompts_file) if args.prompts_file else [{"id": 0, "prompt": args.prompt}]
+    grammar = structured_output(args)  # a bad grammar fails here, before the slow model load
     engine = load_engine(args)
     print(f"castspec: {engine.choice}", file=sys.stderr, flush=True)
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below, written per step
@@ -61,7 +70,7 @@ def run_generate(args) -> None:
         generations = engine.generate_batch(prompts, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                             temperature=sampling.temperature, top_p=sampling.top_p,
                                             top_k=sampling.top_k, seed=sampling.seed,
-                                            draft_sampling=args.draft_sampling)
+                                            draft_sampling=args.draft_sampling, response_format=grammar)
         for row, g in zip(batch, generations, strict=True):
             if trace is not None:
                 for number, step in enumerate(g.steps):
@@ -81,6 +90,32 @@ def run_generate(args) -> None:
                       file=sys.stderr, flush=True)
     if trace is not None:
         trace.close()
+
+
+def structured_output(args) -> Grammar | None:
+    """The grammar `castspec generate` was asked to decode under, checked (one-line errors)."""
+    if args.json_schema:
+        path = Path(args.json_schema)
+        if not path.is_file():
+            raise CastspecError(f"--json-schema: no such file {path}")
+        try:
+            schema = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CastspecError(f"--json-schema: {path} is not JSON ({e})") from None
+        grammar = Grammar("json_schema", schema, "--json-schema")
+    elif args.json_object:
+        grammar = Grammar("json_object", None, "--json-object")
+    elif args.regex is not None:
+        grammar = Grammar("regex", args.regex, "--regex")
+    elif args.choice:
+        grammar = Grammar("choice", args.choice, "--choice")
+    else:
+        return None
+    try:
+        grammar.checked_text()
+    except GrammarError as e:
+        raise CastspecError(f"{e.param}: {e}") from None
+    return grammar
 
 
 def run_explain(args) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from castspec.decode.constraints import Constraint
 from castspec.decode.tree import DraftTree, Proposal, TreePool
 from castspec.drafters.base import Candidates, Drafter
 from castspec.policies.base import Policy, StepContext
@@ -61,10 +62,6 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
     """Append every row's frontier children to its pool, best first (draw order among equals), in one batch of
     tensor operations for all rows. Returns each row's new node indices and their utilities, one row per pool
     [B, n] padded with 0 (what `Policy.width` reads)."""
-    for pool, frontier, c in zip(pools, frontiers, cands, strict=True):
-        if c.proposal is not None:
-            for row, node in enumerate(frontier):
-                pool.proposals[node] = Proposal(c.tokens[row][c.probs[row] > 0].tolist(), c.proposal[row])
     k = max(c.probs.shape[1] for c in cands)
 
     def stacked(part: str) -> torch.Tensor:
@@ -99,13 +96,54 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
     return nodes, padded
 
 
+def _record_proposals(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candidates]) -> None:
+    """Sampled drafting: every token drawn at a node, in draw order, with the distribution it was drawn from
+    (verification needs them all, also the ones the grammar or the policy leave out of the tree)."""
+    for pool, frontier, c in zip(pools, frontiers, cands, strict=True):
+        if c.proposal is not None:
+            for row, node in enumerate(frontier):
+                pool.proposals[node] = Proposal(c.tokens[row][c.probs[row] > 0].tolist(), c.proposal[row])
+
+
+def _constrain(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candidates],
+               constraints: list[Constraint | None]) -> list[Candidates]:
+    """Grammar-aware candidates: a child the grammar forbids after its parent's path is dropped (probability
+    0), and where the grammar allows one token only, that token is the one child, with probability 1 (the
+    target's masked distribution is certain there, so the policy prices it as certain)."""
+    out = []
+    for pool, frontier, c, constraint in zip(pools, frontiers, cands, constraints, strict=True):
+        if constraint is None or not frontier:
+            out.append(c)
+            continue
+        tokens, probs = c.tokens.cpu().clone(), c.probs.cpu().float().clone()
+        for row, node in enumerate(frontier):
+            path = [pool.tokens[n] for n in pool.path_to(node)]
+            taken = constraint.enter(path)
+            try:  # a path the grammar ends early (past an end of sequence) gets no children
+                allowed, forced = (constraint.check_children(tokens[row].tolist()) if taken == len(path)
+                                   else ([False] * tokens.shape[1], None))
+            finally:
+                constraint.leave(taken)
+            if forced is not None:
+                tokens[row], probs[row] = forced, 0.0
+                probs[row, 0] = 1.0
+                pool.proposals.pop(node, None)  # a certain child: deterministic verification accepts it surely
+            else:
+                probs[row, ~torch.tensor(allowed)] = 0.0
+        out.append(Candidates(tokens, probs))
+    return out
+
+
 def grow_trees(
     drafter: Drafter, policy: Policy, new_tokens: list[list[int]], ctx: StepContext,
     features: list[torch.Tensor] | None = None, clock: Callable[[], float] | None = None,
+    constraints: list[Constraint | None] | None = None,
 ) -> tuple[list[DraftTree], DraftRecord]:
     """Draft one tree per row, rooted at new_tokens[b][-1]. The batch shares one width per layer and one verify
     budget (METHOD.md section 3); each row expands and keeps its own best nodes. With a `clock`, every drafter
-    call is timed into `record.forwards` (for an online cost model)."""
+    call is timed into `record.forwards` (for an online cost model). `constraints[b]`: row b's grammar, in the
+    state after its root (its candidates are checked against it)."""
+    grammar = constraints is not None and any(c is not None for c in constraints)
     record = DraftRecord()
     policy.start_step(ctx)
     pools = [_Pool(tokens[-1]) for tokens in new_tokens]
@@ -116,6 +154,9 @@ def grow_trees(
     frontiers, layer, drafted = [[0] for _ in pools], 1, 0
     try:
         while True:
+            _record_proposals(pools, frontiers, cands)
+            if grammar:
+                cands = _constrain(pools, frontiers, cands, constraints)
             nodes, utilities = _add_layers(pools, frontiers, cands, policy)
             added = sum(len(n) for n in nodes)
             width = policy.width(layer, utilities, ctx) if added else 0

@@ -10,6 +10,7 @@ row's committed KV is stored when it leaves."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from castspec.costs.online import OnlineCostTable
+from castspec.decode.constraints import Constraint, Grammar, GrammarCompiler, GrammarError
 from castspec.decode.drafting import DraftRecord, grow_trees
 from castspec.decode.prefix_cache import PrefixCache
 from castspec.decode.sampling import SamplingParams
@@ -69,6 +71,29 @@ class RequestError(CastspecError):
         self.param = param
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target's raw distribution at its position (before
+    temperature, top-k / top-p and any grammar mask, as vLLM reports them), and the likeliest tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """`logits` [n, V]: row j the target's logits where tokens[j] was emitted."""
+    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    return [TokenLogprob(token, value, list(zip(best.indices[j].tolist(), best.values[j].tolist(), strict=True))
+                         if best is not None else [])
+            for j, (token, value) in enumerate(zip(tokens, chosen, strict=True))]
+
+
 @dataclass(frozen=True)
 class RequestParams:
     """Per-request settings: how long, where to stop, and how to draw (temperature 0 = greedy)."""
@@ -82,6 +107,10 @@ class RequestParams:
     # read earlier requests' outputs from the drafter's shared history and add this one's (None: the drafter's
     # default; the suffix drafter with a shared tree)
     share_history: bool | None = None
+    grammar: Grammar | None = None  # structured output: every token is drawn under this grammar's mask
+    # each output token's log-probability under the target's own (raw) distribution, and this many of the
+    # likeliest tokens' (None: none)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -90,6 +119,12 @@ class RequestParams:
             raise RequestError("stop must be a string or a list of strings", "stop")
         if self.share_history is not None and not isinstance(self.share_history, bool):
             raise RequestError("share_history must be true or false", "share_history")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise RequestError("grammar must be a castspec Grammar", "response_format")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"top logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got "
+                               f"{self.logprobs!r}", "top_logprobs")
         try:
             _ = self.sampling
         except CastspecError as e:
@@ -115,6 +150,7 @@ class RequestOutput:
     full_text: str = ""  # every text delta so far, joined (once finished: the whole answer, cut at a stop string)
     prefill_started: float | None = None  # perf_counter when its prefill began (queue time ends there)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when asked for
 
 
 @dataclass
@@ -133,9 +169,12 @@ class StepInfo:
 
 class _Sequence:
     def __init__(self, request_id: str, prompt: list[int], stop: StopCondition, sampling: SamplingParams | None,
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, constraint: Constraint | None = None) -> None:
         self.id, self.prompt, self.stop = request_id, prompt, stop
         self.sampling, self.generator = sampling, generator
+        self.constraint = constraint  # its grammar, in the state after every token it emitted
+        self.top_logprobs: int | None = None  # logprobs asked for: this many top tokens with each
+        self.logprobs: list[TokenLogprob] = []
         self.output: list[int] = []
         self.steps: list[StepStats] = []
         self.root = -1
@@ -191,6 +230,8 @@ class StepEngine:
         self.step_infos: list[StepInfo] = []  # what the latest step() ran: a prefill (chunk), a decode step or both
         self.timer: StepTimer | None = None  # set by `castspec bench --overhead`: per-phase step times
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         target.keep_rows([])
         if drafter is not None:
             drafter.reset(0)
@@ -210,8 +251,27 @@ class StepEngine:
         sampling = params.sampling
         stop = StopCondition(params.max_tokens, self.eos_ids, list(params.stop), self.tokenizer)
         self.add_sequence(request_id, list(prompt_ids), stop, sampling,
-                          None if sampling.greedy else sampling.generator(), params.share_history)
+                          None if sampling.greedy else sampling.generator(), params.share_history,
+                          self.constraint(params.grammar) if params.grammar is not None else None)
+        self.waiting[-1].top_logprobs = params.logprobs
         return request_id
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The tokenizer's grammar compiler, built at the first constrained request (~2 s for a 151k vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise CastspecError("structured output needs the engine's tokenizer")
+                self._grammars = GrammarCompiler(self.tokenizer, self.target.model.config.vocab_size, self.eos_ids)
+            return self._grammars
+
+    def constraint(self, grammar: Grammar) -> Constraint:
+        """A fresh matcher for `grammar` (RequestError naming the request field when it cannot be served)."""
+        try:
+            return self.grammars.constraint(grammar)
+        except GrammarError as e:
+            raise RequestError(str(e), e.param) from None
 
     def check_request(self, prompt_ids: list[int], params: RequestParams) -> None:
         """Raise RequestError unless the request could run on this model (reads nothing that steps change)."""
@@ -233,12 +293,17 @@ class StepEngine:
                 raise RequestError(f"max_tokens {params.max_tokens} is too large: the prompt has {len(prompt_ids)} "
                                    f"tokens and this model's context holds {limit}, so at most "
                                    f"{limit - len(prompt_ids)} can be generated", "max_tokens")
+        if params.grammar is not None:
+            try:
+                self.grammars.check(params.grammar)
+            except GrammarError as e:
+                raise RequestError(str(e), e.param) from None
 
     def add_sequence(self, request_id: str, prompt: list[int], stop: StopCondition,
                      sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
-                     share_history: bool | None = None) -> None:
-        """Queue an already validated sequence with its own stop condition and generator (offline batches)."""
-        seq = _Sequence(request_id, prompt, stop, sampling, generator)
+                     share_history: bool | None = None, constraint: Constraint | None = None) -> None:
+        """Queue an already validated sequence with its own stop condition, generator and grammar state."""
+        seq = _Sequence(request_id, prompt, stop, sampling, generator, constraint)
         seq.share_history = share_history
         self.waiting.append(seq)
 
@@ -369,11 +434,13 @@ class StepEngine:
                 self.drafter.set_sharing([row for row, _ in chosen], [flag for _, flag in chosen])
         outputs, done = [], []
         for i, seq in enumerate(joining):
-            seq.root = accept(DraftTree.single(-1), first[i: i + 1], seq.sampling, seq.generator)[1]
+            seq.root = accept(DraftTree.single(-1), first[i: i + 1], seq.sampling, seq.generator, seq.constraint)[1]
             seq.unseen = seq.prompt + [seq.root]
             seq.features = [prompt_features[i]] if self.layers else []
             if self.layers and self.prefix_cache is not None:
                 seq.committed_features = [prompt_features[i]]
+            if seq.top_logprobs is not None:
+                seq.logprobs += token_logprobs(first[i: i + 1], [seq.root], seq.top_logprobs)
             if seq.stop.push(seq.output, seq.root):
                 done.append(len(self.running) + i)
             outputs.append(self._output(seq))
@@ -404,7 +471,8 @@ class StepEngine:
         if drafting:
             trees, record = grow_trees(drafter, policy, [s.unseen for s in rows], ctx,
                                        [torch.cat(s.features) for s in rows] if self.layers else None,
-                                       (lambda: _clock(target.device)) if self.learner else None)
+                                       (lambda: _clock(target.device)) if self.learner else None,
+                                       [s.constraint for s in rows])
             trees = [t if t.max_depth <= limit else t.subtree((t.depths <= limit).nonzero().flatten())
                      for t, limit in zip(trees, limits, strict=True)]  # rows nearer their end draft less deep
             for s in rows:
@@ -413,7 +481,7 @@ class StepEngine:
         lap("draft")
         logits, verified_features = target.verify(trees, self.layers)
         lap("verify")
-        results = [accept(tree, logits[i, : len(tree)], s.sampling, s.generator)
+        results = [accept(tree, logits[i, : len(tree)], s.sampling, s.generator, s.constraint)
                    for i, (s, tree) in enumerate(zip(rows, trees, strict=True))]
         t2 = _clock(target.device)
         lap("accept")
@@ -425,6 +493,8 @@ class StepEngine:
                                      len(rows)))
             if policy is not None:
                 policy.observe_tree(tree, path)
+            if s.top_logprobs is not None:  # token j was emitted at node j of the accepted path (root first)
+                s.logprobs += token_logprobs(logits[i, [0, *path]], new_tokens, s.top_logprobs)
             if not any(s.stop.push(s.output, token) for token in new_tokens):
                 going.append(i)
                 s.unseen += new_tokens
@@ -433,6 +503,7 @@ class StepEngine:
                     if self.prefix_cache is not None:
                         s.committed_features.append(s.features[-1])
                 s.root = bonus
+            del s.logprobs[len(s.output):]  # tokens past a stop are not output
             outputs.append(self._output(s))
         lap("outputs")
         if policy is not None:
@@ -481,7 +552,8 @@ class StepEngine:
                 text = visible[len(seq.text_sent):]
                 seq.text_sent = visible
         return RequestOutput(seq.id, new, text, finished, seq.stop.reason, seq.output, seq.steps, seq.text_sent,
-                             seq.prefill_started, seq.cached_tokens)
+                             seq.prefill_started, seq.cached_tokens, seq.logprobs[len(seq.output) - len(new):]
+                             if seq.top_logprobs is not None else [])
 
     def _visible_text(self, seq: _Sequence, finished: bool) -> str:
         """The text a client may see so far: cut at a stop string once one completed; while running, without a
@@ -510,15 +582,17 @@ def _one_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
 def decode(
     target: Target, drafter: Drafter | None, policy: Policy | None, prompts: list[list[int]],
     stops: list[StopCondition], sampling: SamplingParams | None = None,
-    generators: list[torch.Generator] | None = None,
+    generators: list[torch.Generator] | None = None, constraints: list[Constraint | None] | None = None,
 ) -> tuple[list[list[int]], list[list[StepStats]]]:
     """Decode a batch of prompts (row b: prompts[b], stops[b], generators[b]); returns each row's tokens and
     steps. Greedy (`sampling` None or temperature 0): every row is token-identical to decoding its prompt alone.
     Sampling: every row is distributed exactly as plain sampling. Finished rows leave the batch."""
     engine = StepEngine(target, drafter, policy, max_batch_size=max(1, len(prompts)))
     generators = generators or [None] * len(prompts)
-    for b, (prompt, stop, generator) in enumerate(zip(prompts, stops, generators, strict=True)):
-        engine.add_sequence(str(b), prompt, stop, sampling, generator)
+    constraints = constraints or [None] * len(prompts)
+    for b, (prompt, stop, generator, constraint) in enumerate(zip(prompts, stops, generators, constraints,
+                                                                   strict=True)):
+        engine.add_sequence(str(b), prompt, stop, sampling, generator, constraint=constraint)
     outputs: list[list[int]] = [[] for _ in prompts]
     steps: list[list[StepStats]] = [[] for _ in prompts]
     while engine.has_unfinished():

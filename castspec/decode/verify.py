@@ -13,22 +13,34 @@ distributed exactly as the target's (warped) distribution p there, whatever the 
 
 Both rules are the single-draft rejection lemma applied recursively: P(emit y) = min(p, q)(y) + P(reject) *
 residual(y) = p(y).
+
+Under a grammar (`Constraint`), p at a node is the target's distribution masked to what the grammar allows after
+that node's path: the walk advances the request's matcher by each token it emits, so each node it reaches is
+judged in its own path's state, and a forbidden node has p = 0 and is never accepted.
 """
 
 from __future__ import annotations
 
 import torch
 
+from castspec.decode.constraints import Constraint
 from castspec.decode.sampling import SamplingParams, draw, warp
 from castspec.decode.tree import DraftTree, Proposal
 
 
-def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+def greedy_accept(tree: DraftTree, target_logits: torch.Tensor, constraint: Constraint | None = None
+                  ) -> tuple[list[int], int]:
     """Walk down from the root, each time into the child holding the target's argmax at the current node.
 
     Returns the accepted path (node indices, root excluded) and the bonus token: the target's argmax at the
-    last accepted node. Emitting path tokens + bonus is exactly what greedy decoding would emit."""
-    if target_logits.device.type == "cpu":
+    last accepted node. Emitting path tokens + bonus is exactly what greedy decoding would emit. With a
+    constraint, the argmax of the masked logits, and the constraint has consumed path tokens + bonus."""
+    if constraint is not None:
+        def choice(node: int) -> int:
+            token = int(constraint.mask(target_logits[node]).argmax())
+            constraint.advance(token)
+            return token
+    elif target_logits.device.type == "cpu":
         # on a CPU an argmax scans a node's whole vocabulary: take it only at the nodes the walk reaches
         def choice(node: int) -> int:
             return int(target_logits[node].argmax())
@@ -91,10 +103,12 @@ def emit_from_proposal(p: torch.Tensor, proposal: Proposal, generator: torch.Gen
     return draw(p, generator)
 
 
-def sample_accept(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], int]:
-    """Walk down from the root while the emitted token is a verified child. `target_probs`: [n, V], the warped
-    target distribution at every node. Returns the accepted path (root excluded) and the token emitted after
-    it (a fresh draw, or an accepted drafted token that was not verified)."""
+def sample_accept(tree: DraftTree, target_probs, generator: torch.Generator,
+                  constraint: Constraint | None = None) -> tuple[list[int], int]:
+    """Walk down from the root while the emitted token is a verified child. `target_probs[node]`: the warped
+    target distribution at a node ([n, V], or anything indexable by node). Returns the accepted path (root
+    excluded) and the token emitted after it (a fresh draw, or an accepted drafted token that was not
+    verified); a constraint has consumed every emitted token."""
     child_of = child_index(tree)
     children: dict[int, list[int]] = {}
     for (parent, token), _ in sorted(child_of.items(), key=lambda item: item[1]):
@@ -106,15 +120,31 @@ def sample_accept(tree: DraftTree, target_probs: torch.Tensor, generator: torch.
             token = emit_from_proposal(target_probs[node], proposal, generator)
         else:
             token = emit_from_candidates(target_probs[node], children.get(node, []), generator)
+        if constraint is not None:
+            constraint.advance(token)
         if (node, token) not in child_of:
             return path, token
         node = child_of[(node, token)]
         path.append(node)
 
 
+class _MaskedProbs:
+    """The warped distribution at a node under the grammar state the walk is in when it reads that node (the
+    walk reads each node once, in path order, before advancing past it)."""
+
+    def __init__(self, logits: torch.Tensor, sampling: SamplingParams, constraint: Constraint) -> None:
+        self.logits, self.sampling, self.constraint = logits, sampling, constraint
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        return warp(self.constraint.mask(self.logits[node]), self.sampling)
+
+
 def accept(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams | None,
-           generator: torch.Generator | None) -> tuple[list[int], int]:
-    """Greedy or sampling verification of one verified tree."""
+           generator: torch.Generator | None, constraint: Constraint | None = None) -> tuple[list[int], int]:
+    """Greedy or sampling verification of one verified tree; under a constraint, which then holds the emitted
+    tokens."""
     if sampling is None or sampling.greedy:
-        return greedy_accept(tree, target_logits)
+        return greedy_accept(tree, target_logits, constraint)
+    if constraint is not None:
+        return sample_accept(tree, _MaskedProbs(target_logits, sampling, constraint), generator, constraint)
     return sample_accept(tree, warp(target_logits, sampling), generator)

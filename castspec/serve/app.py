@@ -18,10 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from castspec.api import encode_text
+from castspec.decode.constraints import Grammar, GrammarError
 from castspec.decode.engine import RequestError, RequestOutput, RequestParams
 from castspec.errors import CastspecError
 from castspec.serve import protocol as P
 from castspec.serve.loop import EngineLoop
+from castspec.serve.tools import ToolMode, forced_calls, request_grammar, streamable_prefix, tagged_calls
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
                500: "internal_error", 503: "service_unavailable"}
@@ -60,13 +62,47 @@ class Server:
         if problem is not None:
             raise APIError(400, problem[1], problem[0])
 
-    def _params(self, body: P._SamplingRequest, max_tokens: int | None, prompt_ids: list[int]) -> RequestParams:
+    @staticmethod
+    def _top_logprobs(body: P._SamplingRequest) -> int | None:
+        """How many top tokens to report with each token's logprob (None: no logprobs): chat's logprobs +
+        top_logprobs, completions' logprobs (an integer)."""
+        if isinstance(body, P.ChatCompletionRequest):
+            if body.logprobs not in (None, True, False):
+                raise APIError(400, "logprobs must be true or false (top_logprobs says how many)", "logprobs")
+            if body.top_logprobs is not None and not body.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            return (body.top_logprobs or 0) if body.logprobs else None
+        if body.logprobs is None:
+            return None
+        if isinstance(body.logprobs, bool) or not isinstance(body.logprobs, int):
+            raise APIError(400, "logprobs must be an integer (how many top tokens to report)", "logprobs")
+        return body.logprobs
+
+    def logprobs_body(self, items: list, chat: bool, text_offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, completions' parallel lists."""
+        if not items:
+            return None
+        piece = self.tokenizer.decode
+        if chat:
+            def entry(token: int, logprob: float) -> dict:
+                text = piece([token])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
+                                for i in items]}
+        tokens = [piece([i.token]) for i in items]
+        offsets = [text_offset + sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
+                "top_logprobs": [{piece([t]): lp for t, lp in i.top} for i in items], "text_offset": offsets}
+
+    def _params(self, body: P._SamplingRequest, max_tokens: int | None, prompt_ids: list[int],
+                grammar: Grammar | None = None) -> RequestParams:
         if max_tokens is None:  # as vLLM: whatever the context leaves
             max_tokens = (self.max_model_len - len(prompt_ids)) if self.max_model_len else 256
         top_k = 0 if body.top_k == -1 else body.top_k
         try:
             return RequestParams(max_tokens=max_tokens, stop=body.stop_strings(), temperature=body.temperature,
-                                 top_p=body.top_p, top_k=top_k, seed=body.seed, share_history=body.share_history)
+                                 top_p=body.top_p, top_k=top_k, seed=body.seed, share_history=body.share_history,
+                                 grammar=grammar, logprobs=self._top_logprobs(body))
         except RequestError as e:
             raise APIError(400, str(e), e.param) from None
 
@@ -92,9 +128,10 @@ class Server:
         return list(prompt)
 
     def _chat_prompt(self, body: P.ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            return encode_text(self.tokenizer, messages=messages)
+            return encode_text(self.tokenizer, messages=messages, tools=tools)
         except CastspecError as e:
             raise APIError(400, str(e), "messages") from None
 
@@ -160,20 +197,32 @@ class Server:
             mean_accepted_length=round(mean, 4), acceptance_rate=round(accepted / drafted, 4) if drafted else None,
             steps=len(steps), draft_tokens=drafted, accepted_tokens=accepted))
 
+    @staticmethod
+    def _grammar(body: P._SamplingRequest) -> tuple[Grammar | None, ToolMode]:
+        try:
+            return request_grammar(body)
+        except GrammarError as e:
+            raise APIError(400, str(e), e.param) from None
+
     async def completion(self, body: P.CompletionRequest, request: Request):
         self._check_common(body)
+        grammar, _ = self._grammar(body)
         prompt_ids = self._completion_prompt(body)
-        return await self._respond(body, request, prompt_ids, body.max_tokens, chat=False)
+        return await self._respond(body, request, prompt_ids, body.max_tokens, chat=False, grammar=grammar)
 
     async def chat(self, body: P.ChatCompletionRequest, request: Request):
         self._check_common(body)
+        grammar, mode = self._grammar(body)
         prompt_ids = self._chat_prompt(body)
         return await self._respond(body, request, prompt_ids, body.max_completion_tokens or body.max_tokens,
-                                   chat=True)
+                                   chat=True, grammar=grammar, mode=mode,
+                                   tool_names={t.function.name for t in body.tools or []})
 
     async def _respond(self, body: P._SamplingRequest, request: Request, prompt_ids: list[int],
-                       max_tokens: int | None, chat: bool):
-        params = self._params(body, max_tokens, prompt_ids)
+                       max_tokens: int | None, chat: bool, grammar: Grammar | None = None,
+                       mode: ToolMode | None = None, tool_names: set[str] | None = None):
+        mode = mode or ToolMode()
+        params = self._params(body, max_tokens, prompt_ids, grammar)
         request_id = P.new_id("chatcmpl" if chat else "cmpl")
         inbox = self._start(prompt_ids, params, request_id)
         outputs = self._outputs(inbox, request_id, request)
@@ -183,23 +232,43 @@ class Server:
             return {"usage": self.usage(prompt_ids, out) if out is not None else None,
                     "metrics": self.spec_metrics(out) if out is not None else None}
 
-        if not body.stream:
-            out = await self._final(outputs)
+        def message(out: RequestOutput) -> tuple[P.AssistantMessage, str]:
+            """The finished answer as a message: text, or tool calls (then finish_reason tool_calls)."""
             reason = P.FINISH_REASONS[out.finish_reason]
+            content, calls = out.full_text, []
+            if mode.forced and reason == "stop":
+                calls = forced_calls(out.full_text, request_id) or []
+                content = None if calls else content
+            elif mode.auto:
+                content, calls = tagged_calls(out.full_text, request_id, tool_names or set())
+            return P.AssistantMessage(content=content, tool_calls=calls), "tool_calls" if calls else reason
+
+        if not body.stream:
+            every: list = []
+            out = await self._final(outputs, every)
+            reason = P.FINISH_REASONS[out.finish_reason]
+            logprobs = self.logprobs_body(every, chat)
             if chat:
-                choice = P.ChatChoice(message=P.AssistantMessage(content=out.full_text), token_ids=out.output_ids,
-                                      finish_reason=reason)
+                answer, reason = message(out)
+                choice = P.ChatChoice(message=answer, token_ids=out.output_ids, finish_reason=reason,
+                                      logprobs=logprobs)
                 return P.ChatCompletionResponse(**head, choices=[choice], **totals(out)).model_dump()
-            choice = P.CompletionChoice(text=out.full_text, token_ids=out.output_ids, finish_reason=reason)
+            choice = P.CompletionChoice(text=out.full_text, token_ids=out.output_ids, finish_reason=reason,
+                                        logprobs=logprobs)
             return P.CompletionResponse(**head, choices=[choice], **totals(out)).model_dump()
 
-        def chunk(text: str = "", ids: list[int] | None = None, reason: str | None = None, role: str | None = None,
-                  usage_of: RequestOutput | None = None) -> str:
+        def chunk(text: str | None = "", ids: list[int] | None = None, reason: str | None = None,
+                  role: str | None = None, usage_of: RequestOutput | None = None,
+                  calls: list[P.ToolCall] | None = None, logprobs: list | None = None, offset: int = 0) -> str:
             if chat:
-                choices = [] if usage_of else [P.ChatChunkChoice(delta=P.Delta(role=role, content=text),
-                                                                 token_ids=ids, finish_reason=reason)]
+                delta = P.Delta(role=role, content=text, tool_calls=[
+                    P.DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(calls)] if calls else None)
+                choices = [] if usage_of else [P.ChatChunkChoice(delta=delta, token_ids=ids, finish_reason=reason,
+                                                                 logprobs=self.logprobs_body(logprobs or [], True))]
                 return _sse(P.ChatCompletionChunk(**head, choices=choices, **totals(usage_of)).model_dump_json())
-            choices = [] if usage_of else [P.CompletionChoice(text=text, token_ids=ids, finish_reason=reason)]
+            choices = [] if usage_of else [P.CompletionChoice(text=text, token_ids=ids, finish_reason=reason,
+                                                              logprobs=self.logprobs_body(logprobs or [], False,
+                                                                                          offset))]
             return _sse(P.CompletionResponse(**head, choices=choices, **totals(usage_of)).model_dump_json())
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -207,16 +276,30 @@ class Server:
         async def events() -> AsyncIterator[str]:
             # the role comes with the first token, as vLLM sends it: a role-only chunk before the prefill made
             # clients time the first token at a few milliseconds (issue 38)
+            # tool calls: a forced answer is sent whole at the end (as tool_calls), an auto one as text until a
+            # call's opening tag, then its calls at the end
             role = "assistant" if chat else None
-            last = None
+            last, sent, held, held_logprobs = None, "", [], []
             async for out in self._guarded(outputs):
                 if isinstance(out, str):  # an error event: the stream ends with it
                     yield out
                     return
                 last = out
                 reason = P.FINISH_REASONS[out.finish_reason] if out.finished else None
-                if out.new_token_ids or out.text or reason:
-                    yield chunk(out.text, out.new_token_ids, reason, role)
+                if mode.forced or mode.auto:
+                    held += out.new_token_ids
+                    held_logprobs += out.new_logprobs
+                    text = "" if mode.forced else streamable_prefix(out.full_text)[len(sent):]
+                    if reason:
+                        answer, reason = message(out)
+                        rest = (answer.content or "")[len(sent):] if not answer.tool_calls else text
+                        yield chunk(rest or None, held, reason, role, calls=answer.tool_calls, logprobs=held_logprobs)
+                    elif text:
+                        yield chunk(text, held, None, role, logprobs=held_logprobs)
+                        sent, held, held_logprobs, role = sent + text, [], [], None
+                elif out.new_token_ids or out.text or reason:
+                    yield chunk(out.text, out.new_token_ids, reason, role, logprobs=out.new_logprobs,
+                                offset=len(out.full_text) - len(out.text))
                     role = None
             if include_usage and last is not None:
                 yield chunk(usage_of=last)
@@ -225,10 +308,12 @@ class Server:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @staticmethod
-    async def _final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def _final(outputs: AsyncIterator[RequestOutput], logprobs: list) -> RequestOutput:
+        """The finished output; every token's logprobs (if asked for) gathered into `logprobs`."""
         last = None
         async for out in outputs:
             last = out
+            logprobs += out.new_logprobs
         if last is None or not last.finished:
             raise APIError(500, "the request ended without a result")
         return last

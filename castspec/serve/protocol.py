@@ -1,10 +1,12 @@
 """OpenAI-compatible request and response bodies (the subset castspec serves), as pydantic models.
 
-Requests reject unknown sampling features instead of ignoring them (n > 1, logprobs, echo, ...): a client that
-asks for them would otherwise get something it did not ask for."""
+A request field castspec does not serve is refused with a 400 naming it (n > 1, echo, logit_bias, a field it does
+not know), never ignored: a client that asks for JSON, a tool call or a penalty would otherwise get text it
+thinks is constrained. The one field accepted and not acted on is `user` (an end-user id; it changes nothing)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -13,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # the engine's stop reasons as OpenAI names them
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "abort": "abort"}
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+# fields a request may carry that change nothing castspec returns
+HARMLESS_FIELDS = frozenset({"user"})
 
 
 class ErrorInfo(BaseModel):
@@ -30,8 +35,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore (user, metadata, ...)
+    model_config = ConfigDict(extra="allow")  # kept to be refused by name (`unsupported`), not ignored
 
     model: str
     max_tokens: int | None = Field(default=None)
@@ -46,9 +72,14 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
+    logprobs: Any = None  # chat: true / false; completions: how many top tokens (0 = the chosen token's only)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs (json, regex, choice, grammar,
+    # json_object); the answer is what the target decodes under that grammar's mask
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    return_token_ids: bool | None = None  # vLLM's; castspec always returns them
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -57,10 +88,11 @@ class _SamplingRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, reason) for the first feature asked for that castspec does not serve."""
+        unknown = sorted(set(self.model_extra or {}) - HARMLESS_FIELDS)
+        if unknown:
+            return unknown[0], f"castspec does not serve the field {unknown[0]!r}"
         if self.n != 1:
             return "n", "only n = 1 is supported"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not supported"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty", "presence and frequency penalties are not supported (they are not lossless " \
                                        "with respect to the target's distribution)"
@@ -75,21 +107,61 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer: which call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
             return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
         return self.content or ""
 
+    def for_template(self) -> dict:
+        """The message as chat templates read it: tool calls' arguments as objects, not JSON text."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class Usage(BaseModel):
@@ -124,8 +196,8 @@ def now() -> int:
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length", "abort"] | None
-    logprobs: None = None
+    finish_reason: FinishReason | None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None  # castspec / vLLM extension
 
 
@@ -141,14 +213,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length", "abort"] | None
-    logprobs: None = None
+    finish_reason: FinishReason | None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None
 
 
@@ -165,13 +238,14 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    logprobs: None = None
+    finish_reason: FinishReason | None = None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None
 
 
