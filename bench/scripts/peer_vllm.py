@@ -72,15 +72,63 @@ def running(command: list[str], env: dict, log_path: Path, timeout_s: float = 60
             stop(proc, 60)
 
 
-def server_command(name: str, vllm: Path, model_dir: str, port: int, home: Path) -> tuple[list[str], dict]:
+def server_command(name: str, vllm: Path, model_dir: str, port: int, home: Path,
+                   castspec_args: dict[str, list[str]] | None = None, vllm_args: dict[str, list[str]] | None = None,
+                   vllm_env: dict[str, str] | None = None) -> tuple[list[str], dict]:
+    """The command and environment of server `name`: a vLLM server when the name starts with "vllm" (its extra
+    flags from `vllm_args[name]`), else castspec serve with `castspec_args[name]` (default CASTSPEC_SERVERS),
+    from the empty home `home`."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    if name == "vllm":
-        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_TARGET_DEVICE="cpu")
+    if name.startswith("vllm"):
+        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_TARGET_DEVICE="cpu",
+                   **(vllm_env or {}))
         return [str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-                "--max-model-len", "4096", "--served-model-name", SERVED], env
+                "--max-model-len", "4096", "--served-model-name", SERVED, *(vllm_args or {}).get(name, [])], env
     env["CASTSPEC_HOME"] = str(home)
     return [sys.executable, "-m", "castspec.cli", "serve", "--model", SERVED, "--dtype", "bf16", "--host",
-            "127.0.0.1", "--port", str(port), "--max-batch-size", "8", *CASTSPEC_SERVERS[name]], env
+            "127.0.0.1", "--port", str(port), "--max-batch-size", "8",
+            *(castspec_args or CASTSPEC_SERVERS)[name]], env
+
+
+def fresh_home() -> Path:
+    """An empty $CASTSPEC_HOME with the fetched weights linked in: no costs, no history (a new user's)."""
+    home = Path(tempfile.mkdtemp(prefix="castspec-peer-home-"))
+    (home / "models").symlink_to(castspec_home() / "models")
+    return home
+
+
+def keep_server(result: dict, out: Path, name: str, startup_s: float, levels_out: dict) -> None:
+    """Record a server's levels and rewrite NAME.json (each server kept as it ends)."""
+    result["servers"][name] = {"startup_s": round(startup_s, 1), "levels": levels_out}
+    (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def finish(out: Path, text: str, draw) -> None:
+    """NAME.md from the report `text`, NAME.png by `draw(path)`, and the report on stdout."""
+    (out.parent / f"{out.name}.md").write_text(text + "\n")
+    draw(out.parent / f"{out.name}.png")
+    print(text)
+
+
+def bar_plot(result: dict, levels: list[int], path: Path, value, ylabel: str) -> None:
+    """One bar per server and concurrency level: `value(level_result)`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["servers"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        values = [value(result["servers"][name]["levels"][str(c)]) for c in levels]
+        ax.bar([i + k * width for i in range(len(levels))], values, width, label=name)
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(levels))], [f"c = {c}" for c in levels])
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{result['meta']['model']} bf16, {result['meta']['machine']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def load(vllm: Path, base: str, model_dir: str, prompts: Path, count: int, concurrency: int, output_len: int,
@@ -125,8 +173,7 @@ def main() -> None:
                        "dtype": "bf16", "peer": VLLM, "prompts": [r["id"] for r in rows],
                        "output_len": args.output_len, "command": "python " + " ".join(sys.argv)}, "servers": {}}
     for name in args.servers.split(","):
-        home = Path(tempfile.mkdtemp(prefix="castspec-peer-home-"))
-        (home / "models").symlink_to(castspec_home() / "models")  # the fetched weights; no costs, no history
+        home = fresh_home()
         port = free_port()
         command, env = server_command(name, vllm, model_dir, port, home)
         log(f"{name}: starting ...")
@@ -137,11 +184,8 @@ def main() -> None:
                 levels_out[str(c)] = load(vllm, base, model_dir, prompts, len(rows), c, args.output_len, out.parent,
                                           f"{out.name}-{name}")
                 log(f"  {name} c={c}: {levels_out[str(c)]['output_throughput']:.2f} tok/s")
-        result["servers"][name] = {"startup_s": round(startup_s, 1), "levels": levels_out}
-        (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1) + "\n")  # each server kept as it ends
-    (out.parent / f"{out.name}.md").write_text(report(result, levels) + "\n")
-    plot(result, levels, out.parent / f"{out.name}.png")
-    print(report(result, levels))
+        keep_server(result, out, name, startup_s, levels_out)
+    finish(out, report(result, levels), lambda path: plot(result, levels, path))
 
 
 def report(result: dict, levels: list[int]) -> str:
@@ -169,23 +213,7 @@ def report(result: dict, levels: list[int]) -> str:
 
 
 def plot(result: dict, levels: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["servers"])
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(names)
-    for k, name in enumerate(names):
-        values = [result["servers"][name]["levels"][str(c)]["output_throughput"] for c in levels]
-        ax.bar([i + k * width for i in range(len(levels))], values, width, label=name)
-    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(levels))], [f"c = {c}" for c in levels])
-    ax.set_ylabel("output tokens / s (vllm bench serve)")
-    ax.set_title(f"{result['meta']['model']} bf16, {result['meta']['machine']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    bar_plot(result, levels, path, lambda level: level["output_throughput"], "output tokens / s (vllm bench serve)")
 
 
 if __name__ == "__main__":

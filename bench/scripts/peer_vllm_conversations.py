@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from peer_vllm import SERVED, VLLM, install_vllm, running  # noqa: E402
+from peer_vllm import SERVED, VLLM, finish, fresh_home, install_vllm, keep_server, running, server_command  # noqa: E402
 
 from castspec.bench.conversations import conversation_sessions, reset_prefix_cache, sessions_at_concurrency  # noqa: E402
 from castspec.bench.serving import _pct, free_port, scrape, stream_request, summarise_level  # noqa: E402
@@ -41,20 +39,9 @@ def log(message: str) -> None:
 
 
 def command_for(name: str, vllm: Path, model_dir: str, port: int, home: Path) -> tuple[list[str], dict]:
-    import os
-
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    if name.startswith("vllm"):
-        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_TARGET_DEVICE="cpu",
-                   VLLM_SERVER_DEV_MODE="1")
-        command = [str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-                   "--max-model-len", "4096", "--served-model-name", SERVED, "--enable-prefix-caching"]
-        if name == "vllm-ngram":
-            command += ["--speculative-config", NGRAM]
-        return command, env
-    env["CASTSPEC_HOME"] = str(home)
-    return [sys.executable, "-m", "castspec.cli", "serve", "--model", SERVED, "--dtype", "bf16", "--host",
-            "127.0.0.1", "--port", str(port), "--max-batch-size", "8", *CASTSPEC[name]], env
+    vllm_args = {"vllm": ["--enable-prefix-caching"],
+                 "vllm-ngram": ["--enable-prefix-caching", "--speculative-config", NGRAM]}
+    return server_command(name, vllm, model_dir, port, home, CASTSPEC, vllm_args, {"VLLM_SERVER_DEV_MODE": "1"})
 
 
 def hit_rate(before: dict, after: dict) -> float | None:
@@ -88,8 +75,7 @@ def main() -> None:
                        "turns": args.turns, "max_tokens": args.max_tokens,
                        "command": "python " + " ".join(sys.argv)}, "servers": {}}
     for name in args.servers.split(","):
-        home = Path(tempfile.mkdtemp(prefix="castspec-peer-home-"))
-        (home / "models").symlink_to(castspec_home() / "models")
+        home = fresh_home()
         command, env = command_for(name, vllm, model_dir, free_port(), home)
         log(f"{name}: starting ...")
         with running(command, env, out.parent / f"{out.name}-{name}.log") as (base, startup_s):
@@ -111,11 +97,8 @@ def main() -> None:
                 log(f"  {name} c={c}: {row['throughput_tok_s']} tok/s, TTFT turn 1 {row['ttft_turn1_p50_s']:.2f} s, "
                     f"later {row['ttft_later_p50_s']:.2f} s, hit rate {row['prefix_hit_rate']}, errors "
                     f"{len(row['errors'])}")
-        result["servers"][name] = {"startup_s": round(startup_s, 1), "levels": levels_out}
-        (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out.parent / f"{out.name}.md").write_text(report(result, levels) + "\n")
-    plot(result, levels, out.parent / f"{out.name}.png")
-    print(report(result, levels))
+        keep_server(result, out, name, startup_s, levels_out)
+    finish(out, report(result, levels), lambda path: plot(result, levels, path))
 
 
 def report(result: dict, levels: list[int]) -> str:
