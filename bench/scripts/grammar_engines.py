@@ -66,7 +66,7 @@ def time_llguidance(tokenizer, ids: list[int]) -> dict:
     rollback = time.perf_counter() - start
     return {"prepare_s": prepare, "compile_s": compile_s, "mask_us_median": statistics.median(masks) * 1e6,
             "mask_us_max": max(masks) * 1e6, "rollback_us": rollback * 1e6,
-            "installed_mib": site_size(["llguidance"]), "forced_tokens_api": True}
+            "installed_mib": site_size(["llguidance"])}
 
 
 def time_xgrammar(tokenizer, ids: list[int]) -> dict:
@@ -93,7 +93,7 @@ def time_xgrammar(tokenizer, ids: list[int]) -> dict:
     del torch
     return {"prepare_s": prepare, "compile_s": compile_s, "mask_us_median": statistics.median(masks) * 1e6,
             "mask_us_max": max(masks) * 1e6, "rollback_us": rollback * 1e6,
-            "installed_mib": site_size(["xgrammar", "triton", "tvm_ffi"]), "forced_tokens_api": False}
+            "installed_mib": site_size(["xgrammar", "triton", "tvm_ffi"])}
 
 
 def main() -> None:
@@ -121,11 +121,10 @@ def main() -> None:
              f"`{result['meta']['command']}` ({result['meta']['date']}); a valid answer of {len(ids)} tokens; "
              f"{', '.join(result['meta']['versions'])}.", "",
              "| engine | tokenizer prep s | schema compile s | mask us median | mask us max | rollback 5 us "
-             "| installed MiB | forced tokens as ids |", "|---|---|---|---|---|---|---|---|"]
+             "| installed MiB |", "|---|---|---|---|---|---|---|"]
     for name, r in result["engines"].items():
         lines.append(f"| {name} | {r['prepare_s']:.2f} | {r['compile_s']:.3f} | {r['mask_us_median']:.0f} | "
-                     f"{r['mask_us_max']:.0f} | {r['rollback_us']:.0f} | {r['installed_mib']} | "
-                     f"{'yes' if r['forced_tokens_api'] else 'no (a string)'} |")
+                     f"{r['mask_us_max']:.0f} | {r['rollback_us']:.0f} | {r['installed_mib']} |")
     out.with_name(out.name + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

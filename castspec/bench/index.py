@@ -88,13 +88,18 @@ def headline(data: dict) -> str:
         cells = []
         for name, server in servers.items():
             levels = server.get("levels", {}) if isinstance(server, dict) else {}
-            values = [v.get("throughput_tok_s", v.get("output_throughput")) for v in levels.values()
+            values = [v.get("throughput_tok_s", v.get("output_throughput", v.get("tok_s"))) for v in levels.values()
                       if isinstance(v, dict)]
             if values and all(isinstance(v, float) for v in values):
                 cells.append(f"{name} " + "/".join(f"{v:.2f}" for v in values))
         if cells:
             return "tok/s at " + "/".join(f"c={c}" for c in next(iter(servers.values())).get("levels", {})) + ": " \
                 + ", ".join(cells)
+    engines = data.get("engines")
+    if isinstance(engines, dict) and engines:  # bench/scripts/grammar_engines.py
+        return "grammar mask median: " + ", ".join(
+            f"{name} {e.get('mask_us_median', float('nan')):.0f} us ({e.get('installed_mib', '?')} MiB)"
+            for name, e in engines.items())
     host = [r["host_ms"] for r in data.get("rows", []) if isinstance(r, dict) and "host_ms" in r]
     if host:
         return f"host time per step {min(host):.2f}-{max(host):.2f} ms over {len(host)} methods"

@@ -7,9 +7,9 @@ node under the grammar state of its own path, and the walk down the tree advance
 (`decode/verify.py`); drafting checks every proposed child against its parent's state, so no node is spent on a
 forbidden token, and a token the grammar forces is drafted with probability 1 (`decode/drafting.py`).
 
-llguidance over xgrammar (measured on Qwen2.5's 151,936-token vocabulary, bench/structured/README.md): a 3 MB wheel
-with no dependencies where xgrammar pulls ~1 GB (triton), a mask in tens of microseconds for both, and it
-rolls back and reports forced tokens directly."""
+llguidance over xgrammar (measured on Qwen2.5's 151,936-token vocabulary, bench/structured/README.md): xgrammar is
+faster per mask (6-8 against 19-20 us median, two runs), but both are small beside a ~200 ms step even at 64 masks
+a step, and llguidance is a 7.5 MiB install with no dependencies where xgrammar 0.2.9 pulls triton (~1 GiB)."""
 
 from __future__ import annotations
 
