@@ -224,7 +224,6 @@ class StepEngine:
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # row i of the target's (and drafter's) batch
         self.aborted: set[str] = set()
-        self._tails: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # finishing rows' accepted nodes
         self.pending: PendingRows | None = None  # rows being prefilled (by chunks while others decode)
         self.joining: list[_Sequence] = []  # their sequences
         self.step_infos: list[StepInfo] = []  # what the latest step() ran: a prefill (chunk), a decode step or both
@@ -370,12 +369,13 @@ class StepEngine:
         self.aborted.clear()
         return outputs
 
-    def _keep(self, rows: list[int]) -> None:
+    def _keep(self, rows: list[int], tails: dict[int, tuple[list[int], torch.Tensor | None]] | None = None) -> None:
+        """Only `rows` go on; the others leave (their KV into the prefix cache; `tails`: a finishing row's accepted
+        nodes of its last tree, as `_store_prefix` takes them)."""
         if len(rows) < len(self.running):
             if self.prefix_cache is not None:
                 for row in sorted(set(range(len(self.running))) - set(rows)):
-                    self._store_prefix(row, *self._tails.get(row, (None, None)))
-                self._tails = {}
+                    self._store_prefix(row, *(tails or {}).get(row, (None, None)))
             self.target.keep_rows(rows)
             if self.drafter is not None:
                 self.drafter.keep_rows(rows)
@@ -512,10 +512,11 @@ class StepEngine:
             self._learn(ctx, max(len(t) for t in trees), record, t1 - t0, t2 - t1)
         lap("policy")
         kept = [[0, *results[i][0]] for i in going]
+        tails = None
         if self.prefix_cache is not None:  # rows that finish here: their accepted nodes' entries go in the cache
-            self._tails = {i: ([0, *path], verified_features[i, [0, *path]] if self.layers else None)
-                           for i, (path, _) in enumerate(results) if i not in going}
-        self._keep(going)
+            tails = {i: ([0, *path], verified_features[i, [0, *path]] if self.layers else None)
+                     for i, (path, _) in enumerate(results) if i not in going}
+        self._keep(going, tails)
         if going:
             target.commit(kept)
         self.step_infos.append(StepInfo("decode", len(rows), [len(t) - 1 for t in trees], emitted, record, t2 - t0))
