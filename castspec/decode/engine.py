@@ -251,8 +251,7 @@ class StepEngine:
         stop = StopCondition(params.max_tokens, self.eos_ids, list(params.stop), self.tokenizer)
         self.add_sequence(request_id, list(prompt_ids), stop, sampling,
                           None if sampling.greedy else sampling.generator(), params.share_history,
-                          self.constraint(params.grammar) if params.grammar is not None else None)
-        self.waiting[-1].top_logprobs = params.logprobs
+                          self.constraint(params.grammar) if params.grammar is not None else None, params.logprobs)
         return request_id
 
     @property
@@ -300,9 +299,12 @@ class StepEngine:
 
     def add_sequence(self, request_id: str, prompt: list[int], stop: StopCondition,
                      sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
-                     share_history: bool | None = None, constraint: Constraint | None = None) -> None:
-        """Queue an already validated sequence with its own stop condition, generator and grammar state."""
+                     share_history: bool | None = None, constraint: Constraint | None = None,
+                     top_logprobs: int | None = None) -> None:
+        """Queue an already validated sequence with its own stop condition, generator and grammar state
+        (`top_logprobs`: report each token's logprob with this many top tokens)."""
         seq = _Sequence(request_id, prompt, stop, sampling, generator, constraint)
+        seq.top_logprobs = top_logprobs
         seq.share_history = share_history
         self.waiting.append(seq)
 
@@ -503,7 +505,8 @@ class StepEngine:
                     if self.prefix_cache is not None:
                         s.committed_features.append(s.features[-1])
                 s.root = bonus
-            del s.logprobs[len(s.output):]  # tokens past a stop are not output
+            if s.top_logprobs is not None:
+                del s.logprobs[len(s.output):]  # tokens past a stop are not output
             outputs.append(self._output(s))
         lap("outputs")
         if policy is not None:
