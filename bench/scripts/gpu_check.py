@@ -28,7 +28,7 @@ from castspec.costs.table import device_name
 
 def profile(models, batch_sizes: list[int], contexts: list[int], tokens: list[int]) -> dict:
     timers = {
-        "target": lambda b, c, n: cost.time_forward(models.target, b, c, n, repeats=3, warmup=1),
+        "target": lambda b, c, n: cost.time_target_forward(models.target, b, c, n, repeats=3, warmup=1),
         "draft": lambda b, c, n: cost.time_forward(models.draft, b, c, n, repeats=3, warmup=1),
         "head": lambda b, c, n: cost.time_head(models.head, models.target, b, c, n, repeats=3, warmup=1),
     }

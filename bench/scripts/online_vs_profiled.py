@@ -36,7 +36,7 @@ def main() -> None:
 
     target = load_model(args.model, args.dtype)[0]
     draft = load_model(args.draft, args.dtype)[0] if args.draft else None
-    timers = {"target": lambda b, c, n: cost.time_forward(target, b, c, n, repeats=3)}
+    timers = {"target": lambda b, c, n: cost.time_target_forward(target, b, c, n, repeats=3)}
     timers["draft"] = ((lambda b, c, n: cost.time_forward(draft, b, c, n, repeats=3)) if draft is not None
                        else (lambda b, c, n: cost.time_ngram(n * b, c, repeats=3)))
     tables = {"profiled": CostTable.load(args.profiled), "learned": CostTable.load(args.learned)}

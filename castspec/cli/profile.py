@@ -69,7 +69,7 @@ def run_profile(args) -> None:
     # a profile times one forward per call and repeats the whole grid in random passes (measure_grids); a
     # validation point is timed once, so it takes the median of three forwards
     per_call = 3 if args.validate else 1
-    timers = {"target": lambda b, c, n: measure.time_forward(target, b, c, n, per_call)}
+    timers = {"target": lambda b, c, n: measure.time_target_forward(target, b, c, n, per_call)}
     if head_source:
         from castspec.api import drafter_identity
         from castspec.drafters.eagle_head import load_eagle_head

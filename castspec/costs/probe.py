@@ -8,7 +8,7 @@ import sys
 import time
 
 from castspec.costs.online import OnlineCostTable, learned_path
-from castspec.costs.profile import time_forward, time_head, time_ngram
+from castspec.costs.profile import time_forward, time_head, time_ngram, time_target_forward
 from castspec.costs.table import CostTable, setup_key
 from castspec.drafters.base import Drafter
 from castspec.drafters.draft_model import DraftModelDrafter
@@ -45,7 +45,7 @@ def probe_timers(target_model, drafter: Drafter):
     lookup = "suffix" if isinstance(drafter, SuffixDrafter) else "ngram"
 
     def target(b: int, c: int, n: int) -> float:
-        return time_forward(target_model, b, c, n, repeats=1, warmup=0)
+        return time_target_forward(target_model, b, c, n, repeats=1, warmup=0)
 
     if isinstance(drafter, EagleHeadDrafter):  # first: a head drafter is a kind of draft-model drafter
         def draft(b: int, c: int, n: int) -> float:

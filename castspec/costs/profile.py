@@ -68,6 +68,31 @@ def time_forward(model, batch_size: int, context: int, tokens: int, repeats: int
 
 
 @torch.inference_mode()
+def time_target_forward(model, batch_size: int, context: int, tokens: int, repeats: int = 3, warmup: int = 1
+                        ) -> float:
+    """`time_forward` through the target's own path (`decode.target.Target`: its slot cache and ragged
+    attention), which is what a decoding step runs; rows hold `context` zero entries each."""
+    from castspec.decode.target import Target
+    from castspec.decode.tree import DraftTree
+
+    device = next(model.parameters()).device
+    target = Target(model)
+    target.hold_rows(batch_size, context)
+    vocab = model.config.vocab_size
+    trees = [DraftTree.from_lists(torch.randint(0, vocab, (tokens,)).tolist(), list(range(-1, tokens - 1)),
+                                  [1.0] * tokens) for _ in range(batch_size)]
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        start = time.perf_counter()
+        target.verify(trees)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
 def time_head(head, target_model, batch_size: int, context: int, tokens: int, repeats: int = 3,
               warmup: int = 1) -> float:
     """Median seconds of one EAGLE-head draft layer: `tokens` tree nodes per row after `context` cached pairs,

@@ -1,11 +1,11 @@
 """The stepping engine: requests join, each step drafts a tree per row, verifies them all in one target forward,
 accepts and commits; requests leave the moment they finish or are aborted.
 
-`StepEngine` is the one decode loop. `step()` admits waiting requests (prefilled together in a KV cache of their
-own, then appended to the running batch's; with a prefill chunk, a chunk per step while the running rows go on
-decoding) and runs one speculative step over every running row; `decode` (offline batches) and the server are
-loops over it. With a prefix cache, joining prompts reuse the KV of earlier sequences' first tokens and every
-row's committed KV is stored when it leaves."""
+`StepEngine` is the one decode loop. `step()` admits waiting requests while rows are free and runs one target
+forward: every running row's tree together with the next tokens of the prompts still being prefilled (a chunk per
+step, or whole), so a newcomer never costs the batch a forward of its own; prompts done join with their first
+token. `decode` (offline batches) and the server are loops over it. With a prefix cache, joining prompts reuse
+the KV of earlier sequences' first tokens and every row's committed KV is stored when it leaves."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from castspec.decode.drafting import DraftRecord, grow_trees
 from castspec.decode.prefix_cache import PrefixCache
 from castspec.decode.sampling import SamplingParams
 from castspec.decode.step_timer import StepTimer
-from castspec.decode.target import PendingRows, Target
+from castspec.decode.target import Prefill, Target
 from castspec.decode.tree import DraftTree
 from castspec.decode.verify import accept
 from castspec.drafters.base import Drafter
@@ -163,7 +163,7 @@ class StepInfo:
     accepted: list[int]  # tokens emitted per row
     record: DraftRecord | None
     seconds: float
-    prompt_tokens: int = 0  # prompt columns a prefill (chunk) forward ran, times its rows (holes included)
+    prompt_tokens: int = 0  # prompt tokens the step's forward prefilled (beside the trees of a decode step)
     cached_tokens: int = 0  # of those, taken from the prefix cache (not prefilled)
 
 
@@ -224,8 +224,8 @@ class StepEngine:
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # row i of the target's (and drafter's) batch
         self.aborted: set[str] = set()
-        self.pending: PendingRows | None = None  # rows being prefilled (by chunks while others decode)
-        self.joining: list[_Sequence] = []  # their sequences
+        self.joining: list[_Sequence] = []  # requests whose prompts are being prefilled (by chunks while others decode)
+        self.prefills: list[Prefill] = []  # their prompts' progress, in the same order
         self.step_infos: list[StepInfo] = []  # what the latest step() ran: a prefill (chunk), a decode step or both
         self.timer: StepTimer | None = None  # set by `castspec bench --overhead`: per-phase step times
         self._ids = itertools.count()
@@ -329,21 +329,21 @@ class StepEngine:
 
     # -- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests if there is room, else one speculative step over the batch. Without a prefill
-        chunk, admitting is a step of its own (the whole prefill); with one, while rows are running, each step
-        prefills one chunk of the joining prompts and then decodes the running rows, so that a long prompt
-        delays them by a chunk per step, not by its whole prefill."""
+        """Admit waiting requests while there is room, then one forward: a speculative step over the running
+        rows that also prefills the joining prompts' next tokens (at most `prefill_chunk` of them; None: all),
+        or, with nobody running, the joining prompts whole. Prompts prefilled to the end join the batch with
+        their first token, so a long prompt delays the running rows by the cost of its chunk's tokens, never by
+        a forward of its own."""
         self.step_infos = []
         outputs = self._drop_aborted()
-        if not self.joining and self.waiting and len(self.running) < self.max_batch_size:
-            self._start_prefill()
-        if self.joining:
-            chunked = self.prefill_chunk is not None and bool(self.running)
-            outputs += self._prefill(self.prefill_chunk if chunked else None)
-            if not chunked:
-                return outputs
+        self._admit()
         if self.running:
-            outputs = _one_per_request(outputs + self._decode_step())
+            return _one_per_request(outputs + self._decode_step())
+        if self.joining:
+            t0 = _clock(self.target.device)
+            tokens = sum(p.left for p in self.prefills)
+            self.target.forward([], self.prefills, None, self.layers)
+            outputs += self._join(t0, tokens, alone=True)
         return outputs
 
     def _drop_aborted(self) -> list[RequestOutput]:
@@ -360,14 +360,14 @@ class StepEngine:
             outputs.append(self._output(self.running[i]))
         if gone:
             self._keep([i for i in range(len(self.running)) if i not in gone])
-        if any(s.id in self.aborted for s in self.joining):  # a half-prefilled group starts over without them
-            for seq in reversed(self.joining):
-                if seq.id in self.aborted:
-                    seq.stop.reason = "abort"
-                    outputs.append(self._output(seq))
-                else:
-                    self.waiting.appendleft(seq)
-            self.joining, self.pending = [], None
+        dropped = [i for i, s in enumerate(self.joining) if s.id in self.aborted]
+        if dropped:  # half-prefilled prompts leave; the others go on where they are
+            self.target.drop_prefills([self.prefills[i] for i in dropped])
+            for i in dropped:
+                self.joining[i].stop.reason = "abort"
+                outputs.append(self._output(self.joining[i]))
+            self.joining = [s for i, s in enumerate(self.joining) if i not in dropped]
+            self.prefills = [p for i, p in enumerate(self.prefills) if i not in dropped]
         self.aborted.clear()
         return outputs
 
@@ -400,10 +400,12 @@ class StepEngine:
             features = features[:count] if features.shape[0] >= count else None
         cache.insert(tokens[:count], entries[:, :, :, :count], features)
 
-    def _start_prefill(self) -> None:
-        """The waiting requests that fit join as one group: their cached prefixes are looked up, the rest is
-        prefilled by `_prefill`."""
-        room = self.max_batch_size - len(self.running)
+    def _admit(self) -> None:
+        """Waiting requests take the free rows: each gets its cached prefix (if any) in its slot at once; the
+        rest of its prompt is prefilled by the next forwards."""
+        room = self.max_batch_size - len(self.running) - len(self.joining)
+        if room <= 0 or not self.waiting:
+            return
         joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         hits = [None] * len(joining)
         if self.prefix_cache is not None:
@@ -411,30 +413,31 @@ class StepEngine:
         now = time.perf_counter()
         for seq, hit in zip(joining, hits, strict=True):
             seq.prefill_started, seq.cached_tokens = now, hit.length if hit is not None else 0
-        self.joining = joining
-        self.pending = self.target.start_rows([s.prompt for s in joining], self.layers, hits)
+        self.joining += joining
+        self.prefills += self.target.start_rows([s.prompt for s in joining], hits)
 
-    def _prefill(self, chunk_tokens: int | None) -> list[RequestOutput]:
-        """Prefill the joining group's next chunk (`chunk_tokens` over all its rows; None: the rest); once its
-        prompts are done, its rows join the batch with their first token."""
-        t0 = _clock(self.target.device)
-        pending, joining = self.pending, self.joining
-        columns = None if chunk_tokens is None else max(1, chunk_tokens // pending.rows)
-        start = pending.done_columns
-        if not self.target.prefill_chunk(pending, columns):
-            self.step_infos.append(StepInfo("prefill_chunk", len(joining), [0] * len(joining), [0] * len(joining),
-                                            None, _clock(self.target.device) - t0,
-                                            (pending.done_columns - start) * pending.rows))
+    def _join(self, t0: float, prompt_tokens: int, alone: bool) -> list[RequestOutput]:
+        """Prompts prefilled to their end join the batch with their first token (drawn from the logits that
+        predict it). `prompt_tokens`: what the step prefilled; `alone`: in a forward of their own (nobody was
+        running), which the step's record times, else inside the decode step's."""
+        done = [i for i, p in enumerate(self.prefills) if p.complete]
+        if not done:
+            if alone:
+                self.step_infos.append(StepInfo("prefill_chunk", len(self.joining), [0] * len(self.joining),
+                                                [0] * len(self.joining), None, _clock(self.target.device) - t0,
+                                                prompt_tokens))
             return []
-        self.pending, self.joining = None, []
-        first, prompt_features = self.target.join_rows(pending)
+        joining, prefills = [self.joining[i] for i in done], [self.prefills[i] for i in done]
+        self.joining = [s for i, s in enumerate(self.joining) if i not in done]
+        self.prefills = [p for i, p in enumerate(self.prefills) if i not in done]
+        first, prompt_features = self.target.join_rows(prefills, self.layers)
         if self.drafter is not None:
             self.drafter.add_rows(len(joining))
             chosen = [(len(self.running) + i, s.share_history) for i, s in enumerate(joining)
                       if s.share_history is not None]
             if chosen:
                 self.drafter.set_sharing([row for row, _ in chosen], [flag for _, flag in chosen])
-        outputs, done = [], []
+        outputs, finished = [], []
         for i, seq in enumerate(joining):
             seq.root = accept(DraftTree.single(-1), first[i: i + 1], seq.sampling, seq.generator, seq.constraint)[1]
             seq.unseen = seq.prompt + [seq.root]
@@ -444,17 +447,17 @@ class StepEngine:
             if seq.top_logprobs is not None:
                 seq.logprobs += token_logprobs(first[i: i + 1], [seq.root], seq.top_logprobs)
             if seq.stop.push(seq.output, seq.root):
-                done.append(len(self.running) + i)
+                finished.append(len(self.running) + i)
             outputs.append(self._output(seq))
         self.running += joining
         if self.prefix_cache is not None:  # the prompts' KV, for requests that share them while these run
             for row in range(len(self.running) - len(joining), len(self.running)):
-                if row not in done:
+                if row not in finished:
                     self._store_prefix(row)
-        self._keep([i for i in range(len(self.running)) if i not in done])
+        self._keep([i for i in range(len(self.running)) if i not in finished])
+        seconds = _clock(self.target.device) - t0 if alone else 0.0  # else timed with the decode step
         self.step_infos.append(StepInfo("prefill", len(joining), [0] * len(joining), [1] * len(joining), None,
-                                        _clock(self.target.device) - t0, (pending.done_columns - start) * pending.rows,
-                                        sum(s.cached_tokens for s in joining)))
+                                        seconds, prompt_tokens, sum(s.cached_tokens for s in joining)))
         return outputs
 
     def _decode_step(self) -> list[RequestOutput]:
@@ -481,9 +484,13 @@ class StepEngine:
                 s.unseen, s.features = [], []
         t1 = _clock(target.device)
         lap("draft")
-        logits, verified_features = target.verify(trees, self.layers)
+        # the joining prompts' next tokens ride in the same forward (the weights are read once for both)
+        prompt_tokens = sum(p.left for p in self.prefills)
+        if self.prefill_chunk is not None:
+            prompt_tokens = min(prompt_tokens, self.prefill_chunk)
+        logits, verified_features = target.forward(trees, self.prefills, self.prefill_chunk, self.layers)
         lap("verify")
-        results = [accept(tree, logits[i, : len(tree)], s.sampling, s.generator, s.constraint)
+        results = [accept(tree, logits[i][: len(tree)], s.sampling, s.generator, s.constraint)
                    for i, (s, tree) in enumerate(zip(rows, trees, strict=True))]
         t2 = _clock(target.device)
         lap("accept")
@@ -496,12 +503,12 @@ class StepEngine:
             if policy is not None:
                 policy.observe_tree(tree, path)
             if s.top_logprobs is not None:  # token j was emitted at node j of the accepted path (root first)
-                s.logprobs += token_logprobs(logits[i, [0, *path]], new_tokens, s.top_logprobs)
+                s.logprobs += token_logprobs(logits[i][[0, *path]], new_tokens, s.top_logprobs)
             if not any(s.stop.push(s.output, token) for token in new_tokens):
                 going.append(i)
                 s.unseen += new_tokens
                 if self.layers:
-                    s.features.append(verified_features[i, [0, *path]])
+                    s.features.append(verified_features[i][[0, *path]])
                     if self.prefix_cache is not None:
                         s.committed_features.append(s.features[-1])
                 s.root = bonus
@@ -509,23 +516,27 @@ class StepEngine:
                 del s.logprobs[len(s.output):]  # tokens past a stop are not output
             outputs.append(self._output(s))
         lap("outputs")
-        if policy is not None:
+        # a step that also prefilled is not what the policy and the cost model price (its time has the prompt's)
+        if policy is not None and not prompt_tokens:
             policy.observe(sum(emitted) / len(rows), t2 - t0)
-        if self.learner is not None:
+        if self.learner is not None and not prompt_tokens:
             self._learn(ctx, max(len(t) for t in trees), record, t1 - t0, t2 - t1)
         lap("policy")
         kept = [[0, *results[i][0]] for i in going]
         tails = None
         if self.prefix_cache is not None:  # rows that finish here: their accepted nodes' entries go in the cache
-            tails = {i: ([0, *path], verified_features[i, [0, *path]] if self.layers else None)
+            tails = {i: ([0, *path], verified_features[i][[0, *path]] if self.layers else None)
                      for i, (path, _) in enumerate(results) if i not in going}
         self._keep(going, tails)
         if going:
             target.commit(kept)
-        self.step_infos.append(StepInfo("decode", len(rows), [len(t) - 1 for t in trees], emitted, record, t2 - t0))
+        self.step_infos.append(StepInfo("decode", len(rows), [len(t) - 1 for t in trees], emitted, record, t2 - t0,
+                                        prompt_tokens))
         if self.timer is not None:
             lap("commit")
             self.timer.end(len(rows), sum(len(t) - 1 for t in trees))
+        if self.prefills:
+            outputs += self._join(t0, prompt_tokens, alone=False)
         return outputs
 
     def _learn(self, ctx: StepContext, verified: int, record: DraftRecord, draft_s: float, verify_s: float) -> None:

@@ -1,4 +1,5 @@
-"""Driving a stock Hugging Face causal LM through its KV cache: tree-masked forwards and KV commits.
+"""Driving a stock Hugging Face causal LM through a rectangular `DynamicCache` (the draft model's): tree-masked
+forwards, rows joining and leaving, holes compacted. The target keeps its own layout (`ragged`).
 
 No model code is copied: trees are expressed with a 4-D boolean attention mask (used as given by the sdpa and
 eager attention of stock models) and explicit position ids."""
@@ -49,39 +50,6 @@ def keep_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     """Keep only the batch rows `rows` (finished sequences leave the batch)."""
     for layer in _filled_layers(cache):
         layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-
-
-@torch.inference_mode()
-def gather_entries(cache: DynamicCache, start: int, offsets: torch.Tensor) -> None:
-    """Batched KV commit: row b keeps, of its entries from `start` on, those at `offsets[b]` [B, K] (ascending),
-    moved to columns start..start+K-1; everything after them is dropped. Rows that keep fewer than K entries
-    repeat one and mask the extra columns as holes."""
-    index = (start + offsets)[:, None, :, None]
-    end = start + offsets.shape[1]
-
-    def commit(entries: torch.Tensor) -> torch.Tensor:
-        # gathered into a new tensor first, so writing it over the overlapping columns is safe; the prefix stays
-        # where it is (no copy of the whole cache per step)
-        entries[:, :, start:end] = entries.gather(2, index.expand(-1, entries.shape[1], -1, entries.shape[3]))
-        return entries[:, :, :end]
-
-    for layer in cache.layers:
-        layer.keys, layer.values = commit(layer.keys), commit(layer.values)
-
-
-@torch.inference_mode()
-def keep_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
-    """Keep, of the entries from `start` on, only those at offsets `keep` (ascending), moved to be contiguous
-    right after `start`; everything after them is dropped. This commits an accepted tree path."""
-    end = start + keep.numel()
-    is_prefix = bool((keep == torch.arange(keep.numel())).all())
-    for layer in cache.layers:
-        if not is_prefix:
-            # the right-hand side is gathered into a new tensor before the write, so overlap is safe
-            layer.keys[..., start:end, :] = layer.keys[..., start + keep, :]
-            layer.values[..., start:end, :] = layer.values[..., start + keep, :]
-        layer.keys = layer.keys[..., :end, :]
-        layer.values = layer.values[..., :end, :]
 
 
 def _filled_layers(cache: DynamicCache) -> list:

@@ -44,7 +44,7 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to join the batch")
         self.kv_rows = gauge("kv_cache_rows", "Rows in the target's KV cache")
-        self.kv_columns = gauge("kv_cache_columns", "Columns in the target's KV cache (holes included)")
+        self.kv_columns = gauge("kv_cache_columns", "Columns allocated per row in the target's KV cache")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.request_success = counter("request_success", "Requests finished, by reason", ["finished_reason"])
@@ -78,8 +78,8 @@ class ServerMetrics:
     def observe_engine(self, engine) -> None:
         """The gauges that describe the batch as it is now."""
         self.running.set(engine.num_running)
-        self.kv_rows.set(engine.target.valid.shape[0])
-        self.kv_columns.set(engine.target.length)
+        self.kv_rows.set(engine.target.rows)
+        self.kv_columns.set(engine.target.cache.capacity)
         cache = engine.prefix_cache
         if cache is not None:  # counters follow the cache's own totals (the engine thread and /metrics both call)
             with self._prefix_lock:
