@@ -112,7 +112,7 @@ def main() -> None:
             print(f"round {round_ + 1} done", file=sys.stderr, flush=True)
     rows = [{"case": case, "before_ms": round(1000 * statistics.median(s["before"]), 1),
              "after_ms": round(1000 * statistics.median(s["after"]), 1),
-             "speedup": round(statistics.median(s["before"]) / statistics.median(s["after"]), 3)}
+             "before_over_after": round(statistics.median(s["before"]) / statistics.median(s["after"]), 3)}
             for case, s in samples.items()]
     command = f"python bench/scripts/ragged_study.py {args.out} --before {args.before} --rounds {args.rounds}"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_label(), "model": args.model,
@@ -123,7 +123,7 @@ def main() -> None:
              "attention (after)", "", f"{meta['date']}, {meta['machine']}, {args.model} bf16 (linear weights "
              f"pre-packed), both layouts in one process, alternated, {args.rounds} rounds (median).", "",
              "```", command, "```", "", "| case | before ms | after ms | before / after |", "|---|---|---|---|"]
-    lines += [f"| {r['case']} | {r['before_ms']} | {r['after_ms']} | {r['speedup']:.2f}x |" for r in rows]
+    lines += [f"| {r['case']} | {r['before_ms']} | {r['after_ms']} | {r['before_over_after']:.2f}x |" for r in rows]
     lines += ["", f"![plot]({out.name}.png)"]
     (out.parent / f"{out.name}.md").write_text("\n".join(lines) + "\n")
     import matplotlib
