@@ -218,7 +218,8 @@ class Engine:
              dtype: str = "bf16", device: str = "cpu", cost_table: str | None = None, force_table: bool = False,
              head: str | None = None, with_ngram: bool = False, cost_model: str = "online",
              with_suffix: bool = False, suffix_depth: int = 16, suffix_shared_tokens: int = 0,
-             share_by_default: bool = False, prepack: bool = True, **policy_options) -> Engine:
+             share_by_default: bool = False, prepack: bool = True, compile: bool = False,
+             **policy_options) -> Engine:
         """A target by registry name, local directory or hub id, with a drafter and a tree policy. Given only
         the model it decodes with CAST over the n-gram drafter (over `draft` or `head` when given); the engine's
         `choice` says in words what it chose. The suffix drafter (`drafter='suffix'`, or merged into a model
@@ -226,11 +227,13 @@ class Engine:
         tokens (0: none), read by the requests that opt in (all of them with `share_by_default`); CAST
         calibrates the model-free drafters' scores (n-gram, suffix) unless `cast_calibrate` says otherwise.
         `prepack` (default) holds a CPU bf16 / fp16 model's linear weights in oneDNN's blocked layout
-        (`decode.prepack`: faster forwards through the same modules); fp32 models are never packed."""
+        (`decode.prepack`: faster forwards through the same modules); fp32 models are never packed. `compile`
+        compiles the target's decode forward (`decode.compiled`; the command line's default, off here because a
+        first compile takes a minute or more on a small CPU)."""
         cls.check_options(method, draft, drafter, head, with_ngram, cost_model, with_suffix, suffix_depth,
                           suffix_shared_tokens, **policy_options)
         method, drafter, choice = default_choice(method, draft, drafter, head)
-        target_model, tokenizer = load_model(model, dtype, device, prepack=prepack)
+        target_model, tokenizer = load_model(model, dtype, device, prepack=prepack, compile=compile)
         draft_model = None
         if draft is not None:
             draft_model, draft_tokenizer = load_model(draft, dtype, device, prepack=prepack)

@@ -264,10 +264,12 @@ def resolve(model: str, log: Log = _stderr) -> str:
     return model  # a hub id: from_pretrained resolves it (and says so if the hub is unreachable)
 
 
-def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = _stderr, prepack: bool = True):
+def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = _stderr, prepack: bool = True,
+               compile: bool = False):
     """Load a causal LM and its tokenizer; returns (model, tokenizer). With `prepack`, a CPU bf16 / fp16 model's
     linear layers hold their weights in oneDNN's blocked layout (`decode.prepack`: faster forwards, same
-    modules); fp32 models and other devices are left as loaded."""
+    modules); fp32 models and other devices are left as loaded. With `compile`, its decode forward as a target
+    is compiled now (`decode.compiled`; a target's only: drafters run their own forwards)."""
     if dtype not in DTYPES:
         raise CastspecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -292,4 +294,8 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
         if count := prepack_linears(lm):
             log(f"{Path(source).name}: {count} linear layers packed for this CPU's matrix units "
                 f"in {time.perf_counter() - start:.1f} s (--no-prepack: as loaded)")
+    if compile:
+        from castspec.decode.compiled import compile_target
+
+        compile_target(lm, log)
     return lm, tokenizer

@@ -4,12 +4,17 @@ references, computed once per session."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
 from castspec.models import load_model
+
+# the command line compiles the target's forward by default; every test process (and server it starts) would
+# compile its models again, so tests run eagerly unless they ask (tests/test_compiled.py does)
+os.environ.setdefault("CASTSPEC_COMPILE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from paired_bars import paired_bars
 
 from castspec.costs.table import machine_label
 from castspec.decode.target import Target
@@ -126,21 +127,8 @@ def main() -> None:
     lines += [f"| {r['case']} | {r['before_ms']} | {r['after_ms']} | {r['before_over_after']:.2f}x |" for r in rows]
     lines += ["", f"![plot]({out.name}.png)"]
     (out.parent / f"{out.name}.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["before_ms"] for r in rows], 0.4, label=f"before ({args.before})")
-    ax.bar([i + 0.2 for i in x], [r["after_ms"] for r in rows], 0.4, label="slot cache + ragged forward")
-    ax.set_xticks(list(x), [r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("ms per forward (median)")
-    ax.set_title(f"{args.model} bf16, {meta['machine']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out.parent / f"{out.name}.png", dpi=120)
+    paired_bars(rows, ("before_ms", "after_ms"), (f"before ({args.before})", "slot cache + ragged forward"),
+                "before_over_after", out.parent / f"{out.name}.png", f"{args.model} bf16, {meta['machine']}")
     print("\n".join(lines))
 
 

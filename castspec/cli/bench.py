@@ -12,12 +12,13 @@ from castspec.cli.options import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     command_line,
+    forward_args,
     int_list,
     load_pair,
-    prepack_arg,
     prompt_rows,
     sampling_args,
     sampling_params,
+    wants_compile,
 )
 from castspec.errors import CastspecError
 
@@ -38,7 +39,7 @@ def register(sub) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--dtype", default=None, help="bf16 | fp32 | fp16 (default bf16; --overhead: fp32 on a CPU, "
                                                       "where bf16 would time conversions, bf16 on a GPU)")
-    prepack_arg(bench)
+    forward_args(bench)
     bench.add_argument("--out-dir", default="bench")
     bench.add_argument("--name", default="bench")
     bench.add_argument("--resume", action="store_true",
@@ -84,8 +85,10 @@ def run_bench(args) -> None:
     sampling = sampling_params(args)
     if not sampling.greedy and sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=0)  # every method draws from the same seed per prompt
-    settings = {k: getattr(args, k) for k in ("model", "draft", "head", "methods", "max_new_tokens", "dtype", "prepack",
-                                               "temperature", "top_p", "sample_top_k", "seed", "draft_sampling")}
+    args.compile = wants_compile(args)  # the settings say what ran
+    keys = ("model", "draft", "head", "methods", "max_new_tokens", "dtype", "prepack", "compile", "temperature",
+            "top_p", "sample_top_k", "seed", "draft_sampling")
+    settings = {k: getattr(args, k) for k in keys}
     # sittings on another kind of machine would mix speeds that do not compare (a CPU with native bf16 runs 3x faster)
     settings["machine"] = machine_label()
     files = RunFiles(Path(args.out_dir), args.name)
@@ -97,7 +100,7 @@ def run_bench(args) -> None:
         if not sampling.greedy:
             raise CastspecError("the throughput mode measures greedy decoding; leave out --temperature")
         sizes = int_list(args.batch_sizes, "--batch-sizes")
-    target, tokenizer, draft = load_pair(args.model, args.draft, args.dtype, args.prepack)
+    target, tokenizer, draft = load_pair(args.model, args.draft, args.dtype, args.prepack, args.compile)
     head = None
     if args.head:
         from castspec.drafters.eagle_head import load_eagle_head

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from castspec.cli.options import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair, prompt_rows
+from castspec.cli.options import DEFAULT_DRAFT, DEFAULT_TARGET, forward_args, load_pair, prompt_rows, wants_compile
 from castspec.errors import CastspecError
 
 # fixed trees over each drafter, then CAST over the same drafter: CAST must beat every one of them
@@ -21,6 +21,7 @@ def register(sub) -> None:
     demo.add_argument("--prompts", type=int, default=1, help="prompts per set (MT-bench, HumanEval, GSM8K)")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--json", metavar="PATH", help="also write the rows and CAST's choices as JSON here")
+    forward_args(demo)
     demo.set_defaults(run=run_demo)
 
 
@@ -30,7 +31,7 @@ def run_demo(args) -> None:
     print(f"castspec demo: {args.model} (bf16) with {args.draft} as drafter, on this machine's CPU", flush=True)
     if args.draft in (None, "", "none"):
         raise CastspecError("the demo drafts with a draft model: give one with --draft")
-    target, tokenizer, draft = load_pair(args.model, args.draft, "bf16")
+    target, tokenizer, draft = load_pair(args.model, args.draft, "bf16", args.prepack, wants_compile(args))
     prompts = prompt_rows("mtbench,humaneval,gsm8k", args.prompts, 0)
     result = run_benchmark(target, tokenizer, draft, parse_methods(DEMO_METHODS), prompts, args.max_new_tokens)
     rows = sorted((r for r in result["summary"] if r["task"] == "all"), key=lambda r: -(r["speedup"] or 0))

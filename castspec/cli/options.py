@@ -4,6 +4,7 @@ command line as results record it."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -63,13 +64,23 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                                     "--draft or --head is given)")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
     p.add_argument("--device", default="cpu")
-    prepack_arg(p)
+    forward_args(p)
 
 
-def prepack_arg(p: argparse.ArgumentParser) -> None:
+def forward_args(p: argparse.ArgumentParser) -> None:
+    """How the models' forwards run: weights pre-packed, the target's decode forward compiled."""
     p.add_argument("--no-prepack", dest="prepack", action="store_false",
                    help="keep bf16 / fp16 linear weights in their loaded layout (by default they are reordered once "
                         "for the CPU's matrix units, which streams them faster; fp32 is never reordered)")
+    p.add_argument("--no-compile", dest="compile", action="store_const", const=False, default=None,
+                   help="run the target's eager forward (by default its decode forward is compiled once per "
+                        "process with torch.compile; CASTSPEC_COMPILE=0 makes this the default)")
+
+
+def wants_compile(args) -> bool:
+    """--no-compile, else on unless CASTSPEC_COMPILE=0 (the test suite sets it: each test process would compile
+    its models again)."""
+    return args.compile if args.compile is not None else os.environ.get("CASTSPEC_COMPILE", "1") != "0"
 
 
 def engine_options(args) -> dict:
@@ -84,7 +95,7 @@ def engine_options(args) -> dict:
     return dict(model=args.model, method=args.method, draft=args.draft, drafter=args.drafter, head=args.head,
                 with_ngram=args.with_ngram, with_suffix=args.with_suffix, suffix_depth=args.suffix_depth,
                 suffix_shared_tokens=args.suffix_shared_tokens, dtype=args.dtype, device=args.device,
-                prepack=args.prepack, cost_table=args.cost_table,
+                prepack=args.prepack, compile=wants_compile(args), cost_table=args.cost_table,
                 force_table=args.force_table, cost_model=args.cost_model, **options)
 
 
@@ -112,11 +123,11 @@ def sampling_params(args):
     return SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)
 
 
-def load_pair(model: str, draft: str | None, dtype: str, prepack: bool = True):
+def load_pair(model: str, draft: str | None, dtype: str, prepack: bool = True, compile: bool = False):
     from castspec.drafters.draft_model import check_compatible
     from castspec.models import load_model
 
-    target, tokenizer = load_model(model, dtype, prepack=prepack)
+    target, tokenizer = load_model(model, dtype, prepack=prepack, compile=compile)
     if draft in (None, "", "none"):
         return target, tokenizer, None
     draft_model, draft_tokenizer = load_model(draft, dtype, prepack=prepack)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from castspec.cli.options import command_line, int_list, prepack_arg
+from castspec.cli.options import command_line, forward_args, int_list, wants_compile
 from castspec.errors import CastspecError
 
 
@@ -22,7 +22,7 @@ def register(sub) -> None:
                       help="passes over the whole grid, each in a new random order; each point keeps its median")
     prof.add_argument("--dtype", default="bf16")
     prof.add_argument("--device", default="cpu")
-    prepack_arg(prof)
+    forward_args(prof)
     prof.add_argument("--out", help="where to write the table (JSON)")
     prof.add_argument("--quick", action="store_true", help="a small grid that finishes in about a minute")
     prof.add_argument("--validate", metavar="TABLE", help="measure held-out points and report the table's error")
@@ -64,7 +64,7 @@ def run_profile(args) -> None:
         raise CastspecError(f"unknown drafter {drafter!r}; choose from ngram, suffix")
     head_source = args.head or (table.meta.get("draft", {}).get("source") if args.validate and drafter
                                 and drafter.startswith("eagle-head:") else None)
-    target, _ = load_model(model, dtype, args.device, prepack=args.prepack)
+    target, _ = load_model(model, dtype, args.device, prepack=args.prepack, compile=wants_compile(args))
     draft_model = load_model(draft, dtype, args.device, prepack=args.prepack)[0] if draft and not head_source else None
     # a profile times one forward per call and repeats the whole grid in random passes (measure_grids); a
     # validation point is timed once, so it takes the median of three forwards

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from castspec.decode.compiled import is_compiled
 from castspec.decode.prepack import is_prepacked
 from castspec.errors import CastspecError
 
@@ -84,6 +85,8 @@ def setup_key(model, dtype: torch.dtype | None = None) -> dict:
     }
     if is_prepacked(model):  # faster forwards than the same model's unpacked: tables of its own
         key["linears"] = "onednn-prepacked"
+    if is_compiled(model):  # likewise for a compiled decode forward
+        key["forward"] = "compiled"
     return key
 
 

@@ -48,10 +48,22 @@ class PrepackedLinear(nn.Module):
             # oneDNN's packed op has no backward: a loss through this layer (an EAGLE head trained through the
             # target's lm_head) takes aten's linear over the dense weight
             return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return torch.ops.castspec.packed_linear(x, self._packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@torch.library.custom_op("castspec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over a packed weight, as one opaque op: a compiled forward calls the same kernel (Inductor
+    has no lowering of it for shapes that change)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias):
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
 def can_prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE)) -> bool:

@@ -29,16 +29,14 @@ _CAPACITY_STEP = 128
 
 @dataclass
 class _Group:
-    """The rows attended together: slots lo..hi-1 (rows without tokens in there see one key and are ignored)."""
+    """The rows attended together: slots 0..rows-1 (slots without a tree see one key and are ignored). Its sizes
+    are the mask's: rows, query_group * width (the widest tree; queries are padded to it) and keys (columns read:
+    the largest fill + width), so that a compiled forward reads them as shapes."""
 
-    lo: int
-    hi: int
-    width: int  # the widest row's new tokens (queries are padded to it)
-    keys: int  # columns read: the largest fill + width among the rows
     packed: torch.Tensor  # [q] where each of the group's tokens sits in the packed sequence
-    slot: torch.Tensor  # [q] its slot - lo
+    slot: torch.Tensor  # [q] its slot
     node: torch.Tensor  # [q] its index among its row's new tokens
-    mask: torch.Tensor  # [hi - lo, 1, query_group * width, keys] bool (one copy per query head of a key head)
+    mask: torch.Tensor  # [rows, 1, query_group * width, keys] bool (one copy per query head of a key head)
 
 
 @dataclass
@@ -109,6 +107,7 @@ class SlotCache:
         self.keys, self.values, self.fill = [], [], []
         self._allocate(0, 0)
 
+    @torch.inference_mode()
     def ensure(self, slots: int, columns: int) -> None:
         """Room for `slots` slots of `columns` columns (existing entries kept)."""
         if slots <= self.slots and columns <= self.capacity:
@@ -125,6 +124,7 @@ class SlotCache:
             self.values[layer][: v.shape[0], :, : v.shape[2]] = v
         self.fill += [0] * (new_slots - len(self.fill))
 
+    @torch.inference_mode()
     def shrink_to(self, columns: int) -> None:
         """Give back columns past `columns` (rounded up a step) once the rows are that short."""
         columns = -(-max(columns, 1) // _CAPACITY_STEP) * _CAPACITY_STEP
@@ -132,6 +132,7 @@ class SlotCache:
             self.keys = [k[:, :, :columns].clone() for k in self.keys]
             self.values = [v[:, :, :columns].clone() for v in self.values]
 
+    @torch.inference_mode()  # always: a compiled forward guards on how its inputs were made
     def _allocate(self, slots: int, columns: int) -> None:
         shape = (slots, self.kv_heads, columns, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layer_count)]
@@ -210,7 +211,7 @@ def _own(start: int, count: int, slot: int, past: int, causal: torch.Tensor, gro
 def _group(cache: SlotCache, rows: list[tuple[int, int, DraftTree]], device) -> _Group:
     """`rows`: (packed offset, slot, tree) of the trees attended together."""
     slot_ids = [slot for _, slot, _ in rows]
-    lo, hi = min(slot_ids), max(slot_ids) + 1
+    slot_count = max(slot_ids) + 1
     width = max(len(tree) for _, _, tree in rows)
     fills = torch.tensor([cache.fill[slot] for slot in slot_ids])
     keys = int((fills + width).max())
@@ -223,14 +224,14 @@ def _group(cache: SlotCache, rows: list[tuple[int, int, DraftTree]], device) -> 
     inside = (column >= start) & (column < start + width)
     in_tree = ancestors.gather(2, (column - start).clamp(0, width - 1).expand(-1, width, -1)) & inside
     seen = ((column < start) & real[:, :, None]) | in_tree  # [R, width, keys]
-    mask = torch.zeros(hi - lo, 1, width, keys, dtype=torch.bool)
+    mask = torch.zeros(slot_count, 1, width, keys, dtype=torch.bool)
     mask[:, :, :, 0] = True  # slots without a tree in the window: one key, so their (unused) rows stay finite
-    mask[torch.tensor(slot_ids) - lo, 0] = seen
+    mask[torch.tensor(slot_ids), 0] = seen
     packed = torch.cat([torch.arange(offset, offset + len(t)) for offset, _, t in rows])
-    slot = torch.cat([torch.full((len(t),), s - lo, dtype=torch.long) for _, s, t in rows])
+    slot = torch.cat([torch.full((len(t),), s, dtype=torch.long) for _, s, t in rows])
     node = torch.cat([torch.arange(len(t)) for t in trees])
     mask = mask.repeat(1, 1, cache.query_group, 1)  # as `_attend` stacks each key head's query heads
-    return _Group(lo, hi, width, keys, packed.to(device), slot.to(device), node.to(device), mask.to(device))
+    return _Group(packed.to(device), slot.to(device), node.to(device), mask.to(device))
 
 
 def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -240,21 +241,40 @@ def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if ragged is None:
         raise RuntimeError("castspec_ragged attention runs inside castspec.decode.ragged.forward only")
     batch, heads, dim = ragged, query.shape[1], query.shape[3]
-    queries = query[0]  # [heads, Q, dim]
-    out = query.new_empty(query.shape[2], heads, dim)
     group = batch.group
-    if group is not None:
-        padded = query.new_zeros(group.hi - group.lo, heads, group.width, dim)
-        padded[group.slot, :, group.node] = queries[:, group.packed].transpose(0, 1)
-        attended = _attend(padded, key[group.lo: group.hi, :, : group.keys],
-                           value[group.lo: group.hi, :, : group.keys], group.mask, scaling)
-        out[group.packed] = attended[group.slot, :, group.node]
+    if group is not None:  # an opaque op: a compiled forward calls it as it is, shapes and all
+        out = torch.ops.castspec.attend_trees(query, key, value, group.packed, group.slot, group.node, group.mask,
+                                              scaling)
+    else:
+        out = query.new_empty(query.shape[2], heads, dim)
+    queries = query[0]  # [heads, Q, dim]
     for own in batch.own:
         keys = own.past + own.end - own.start
         attended = _attend(queries[None, :, own.start: own.end], key[own.slot: own.slot + 1, :, :keys],
                            value[own.slot: own.slot + 1, :, :keys], own.mask, scaling)
         out[own.start: own.end] = attended[0].transpose(0, 1)
     return out[None], None
+
+
+@torch.library.custom_op("castspec::attend_trees", mutates_args=())
+def attend_trees(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: torch.Tensor,
+                 slot: torch.Tensor, node: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """The rows of a `_Group` (slots 0..rows-1) attended together: returns [Q, heads, head_dim] with the group's
+    tokens filled (`packed`) and the others left for the caller (prompt chunks attended on their own)."""
+    heads, dim = query.shape[1], query.shape[3]
+    rows, keys = mask.shape[0], mask.shape[3]
+    width = mask.shape[2] // (heads // key.shape[1])
+    out = query.new_empty(query.shape[2], heads, dim)
+    padded = query.new_zeros(rows, heads, width, dim)
+    padded[slot, :, node] = query[0][:, packed].transpose(0, 1)
+    attended = _attend(padded, key[:rows, :, :keys], value[:rows, :, :keys], mask, scaling)
+    out[packed] = attended[slot, :, node]
+    return out
+
+
+@attend_trees.register_fake
+def _(query, key, value, packed, slot, node, mask, scaling):
+    return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -271,15 +291,19 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
 def forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, batch: RaggedBatch,
             logits_to_keep: torch.Tensor, want_hidden: bool = False):
     """One ragged forward of a stock model: its attention is `ragged_attention` for this call only (other callers
-    of the same model, a plain `generate`, keep theirs), and no mask is built for it."""
+    of the same model, a plain `generate`, keep theirs), and no mask is built for it. A model compiled by
+    `decode.compiled` runs its compiled forward when every row is a tree (decode steps); a forward with prompt
+    chunks runs eagerly."""
     AttentionInterface.register(ATTENTION, ragged_attention)
     config = model.config
     saved = config._attn_implementation
     config._attn_implementation = ATTENTION
     cache.batch = batch
+    compiled = getattr(model, "castspec_compiled", None)
+    run = compiled if compiled is not None and not batch.own else model
     try:
-        return model(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True, ragged=batch,
-                     logits_to_keep=logits_to_keep, output_hidden_states=want_hidden)
+        return run(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True, ragged=batch,
+                   logits_to_keep=logits_to_keep, output_hidden_states=want_hidden)
     finally:
         config._attn_implementation = saved
         cache.batch = None

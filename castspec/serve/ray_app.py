@@ -42,7 +42,7 @@ REPLICA_HEADER = "x-castspec-replica"
 STALE_AFTER_S = 30.0  # a replica silent this long (dead, scaled down) leaves /metrics
 CONSTRUCTOR_RETRIES = 3  # Serve's default of 20 makes a replica that cannot load take minutes to report it
 # Engine.load arguments that check_options lacks
-LOAD_ONLY = ("model", "dtype", "device", "prepack", "cost_table", "force_table")
+LOAD_ONLY = ("model", "dtype", "device", "prepack", "compile", "cost_table", "force_table")
 
 
 @dataclass

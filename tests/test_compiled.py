@@ -1,0 +1,86 @@
+"""The compiled decode forward (`decode.compiled`) on the real SmolLM2-135M in fp32: its AR equals HF greedy, every
+method's output equals its own AR (batched too), and a forward with prompt chunks still runs the eager path."""
+
+from __future__ import annotations
+
+import pytest
+from synthetic import flat_costs
+
+from castspec import Engine
+from castspec.costs.table import setup_key
+from castspec.decode import compiled as compiled_forward
+from castspec.drafters.draft_model import DraftModelDrafter
+from castspec.drafters.ngram import NgramDrafter
+from castspec.models import load_model
+from castspec.policies.base import ChainPolicy, Eagle2Policy
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat.",
+    "Q: What is 17 * 23?\nA:",
+    "Here is a list of fruits:\n- apple\n- banana\n-",
+    "Once upon a time, in a small village by the sea,",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def compiled_smollm():
+    """A model of its own (the session's `smollm` stays eager for the other tests), compiled once: two graphs."""
+    lines = []
+    model, tokenizer = load_model("smollm2-135m", "fp32", log=lines.append, compile=True)
+    assert compiled_forward.is_compiled(model), lines
+    assert any("decode forward compiled in" in line for line in lines), lines
+    return model, tokenizer
+
+
+def test_compiled_ar_matches_hf_greedy(compiled_smollm, smollm_reference):
+    model, tokenizer = compiled_smollm
+    engine = Engine(model, tokenizer)
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt=prompt)
+        assert engine.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS).output_ids == \
+            smollm_reference(tuple(ids), NEW_TOKENS), prompt
+
+
+def test_every_method_on_the_compiled_path_matches_its_ar_batched(compiled_smollm):
+    from castspec.policies.cast import CastPolicy
+
+    model, tokenizer = compiled_smollm
+    ar = Engine(model, tokenizer)
+    ids = [ar.encode(prompt=p) for p in PROMPTS]
+    expected = [g.output_ids for g in ar.generate_batch(prompt_ids=ids, max_new_tokens=NEW_TOKENS)]
+    engines = {
+        "chain-ngram": Engine(model, tokenizer, NgramDrafter(), ChainPolicy(4)),
+        "eagle2-ngram": Engine(model, tokenizer, NgramDrafter(), Eagle2Policy()),
+        "eagle2-draft": Engine(model, tokenizer, DraftModelDrafter(model), Eagle2Policy(2, 3, 6)),
+        "cast-auto-ngram": Engine(model, tokenizer, NgramDrafter(), CastPolicy(flat_costs(), auto=True)),
+    }
+    for name, engine in engines.items():
+        got = [g.output_ids for g in engine.generate_batch(prompt_ids=ids, max_new_tokens=NEW_TOKENS)]
+        assert got == expected, name
+        alone = engine.generate(prompt_ids=ids[1], max_new_tokens=NEW_TOKENS).output_ids
+        assert alone == expected[1], name
+
+
+def test_the_compiled_path_runs_decode_steps_and_keeps_its_own_cost_tables(compiled_smollm, monkeypatch):
+    """Decode forwards go through the compiled forward, forwards with prompt tokens through the eager model; a
+    compiled model's cost tables are not an eager one's."""
+    model, tokenizer = compiled_smollm
+    calls = {"compiled": 0}
+    inner = model.castspec_compiled
+
+    def counting(**kwargs):
+        calls["compiled"] += 1
+        assert not kwargs["ragged"].own  # no prompt chunk ever reaches the compiled graph
+        return inner(**kwargs)
+
+    monkeypatch.setattr(model, "castspec_compiled", counting)
+    engine = Engine(model, tokenizer)
+    engine.generate(prompt_ids=engine.encode(prompt=PROMPTS[0]), max_new_tokens=6)
+    assert calls["compiled"] == 5  # the prompt's forward was eager, the 5 decode steps after it compiled
+    assert setup_key(model)["forward"] == "compiled"
+    with compiled_forward.eager(model):
+        assert "forward" not in setup_key(model)
+        engine.generate(prompt_ids=engine.encode(prompt=PROMPTS[0]), max_new_tokens=6)
+    assert calls["compiled"] == 5
