@@ -24,14 +24,15 @@ _WARM_CONTEXT = 8  # entries each warm-up row holds before its tree
 
 
 class _CompiledForward:
-    """The model's forward compiled; sizes that happen to be 0 or 1 on the first call are not specialised on (a
-    batch of one row would otherwise get a graph of its own)."""
+    """The model's forward compiled. Sizes that happen to be 0 or 1 when traced are not specialised on (a batch of
+    one row would otherwise get a graph of its own), nor are sizes that happen to be equal given one symbol (a
+    first version traced again when a 4-long tensor of the attention's bounds met a cache of 4 slots)."""
 
     def __init__(self, model) -> None:
         self._forward = torch.compile(model.forward, dynamic=True)
 
     def __call__(self, **kwargs):
-        with fx_config.patch(backed_size_oblivious=True):
+        with fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
             return self._forward(**kwargs)
 
 
