@@ -54,6 +54,12 @@ def test_subtree_refuses_orphans_and_rootless_sets():
         TREE.subtree([1, 3])
 
 
+def test_chain_links_each_token_to_the_one_before():
+    chain = DraftTree.chain([7, 8, 9])
+    assert chain.parents.tolist() == [-1, 0, 1] and chain.depths.tolist() == [0, 1, 2]
+    assert chain.tokens.tolist() == [7, 8, 9] and chain.max_depth == 2
+
+
 def test_from_lists_refuses_bad_parents():
     with pytest.raises(ValueError):
         DraftTree.from_lists([1, 2], [-1, 1], [1, 1])

@@ -79,8 +79,7 @@ def time_target_forward(model, batch_size: int, context: int, tokens: int, repea
     target = Target(model)
     target.hold_rows(batch_size, context)
     vocab = model.config.vocab_size
-    trees = [DraftTree.from_lists(torch.randint(0, vocab, (tokens,)).tolist(), list(range(-1, tokens - 1)),
-                                  [1.0] * tokens) for _ in range(batch_size)]
+    trees = [DraftTree.chain(torch.randint(0, vocab, (tokens,)).tolist()) for _ in range(batch_size)]
     times = []
     for i in range(warmup + repeats):
         _sync(device)

@@ -53,9 +53,7 @@ def compile_target(model, log=None) -> float | None:
         vocab = min(model.config.vocab_size, 1000)
         for rows, nodes in ((2, 2), (1, 1)):  # the general graph, then the one-token one
             target.prefill([[rng.randrange(vocab) for _ in range(_WARM_CONTEXT)] for _ in range(rows)])
-            chain = DraftTree.from_lists([rng.randrange(vocab) for _ in range(nodes)], [-1] + list(range(nodes - 1)),
-                                         [1.0] * nodes)
-            target.verify([chain] * rows)
+            target.verify([DraftTree.chain([rng.randrange(vocab) for _ in range(nodes)])] * rows)
         target.keep_rows([])
     except Exception as e:  # noqa: BLE001 - any failure of the compiler leaves the eager forward, said once
         del model.castspec_compiled

@@ -40,6 +40,11 @@ class DraftTree:
         )
 
     @staticmethod
+    def chain(tokens: list[int]) -> DraftTree:
+        """A chain: each token the child of the one before (cost probes and warm-ups verify these)."""
+        return DraftTree.from_lists(tokens, list(range(-1, len(tokens) - 1)), [1.0] * len(tokens))
+
+    @staticmethod
     def from_lists(tokens: list[int], parents: list[int], scores: list[float],
                    proposals: dict[int, Proposal] | None = None) -> DraftTree:
         if not tokens or parents[0] != -1:
