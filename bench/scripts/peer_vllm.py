@@ -7,8 +7,14 @@ backend, the custom dataset, greedy, a fixed output length) at every concurrency
 one starts, so that no two servers share the two cores. castspec's servers start from an empty $CASTSPEC_HOME
 each (the fetched weights linked in): CAST probes its costs as a new user's would.
 
+With `--heldout-offset K` every server is also loaded, at every level, with the prompts K+1 .. K+per-set of each
+set: prompts no earlier sitting ran or tuned on (`castspec bench` and the peer sittings take the first ones).
+Server `vllm-ngram` is vLLM with its own n-gram speculation (4 tokens), with Intel OpenMP preloaded as its CPU
+speculation asks (`LD_PRELOAD`, when the venv holds libiomp5).
+
 Run: .venv/bin/python bench/scripts/peer_vllm.py bench/peer-vllm/NAME [--concurrency 1,4] [--per-set 3]
-     [--servers vllm,castspec-ar,castspec-cast-ngram,castspec-cast-suffix] (writes NAME.json, NAME.md, NAME.png)"""
+     [--servers vllm,vllm-ngram,castspec-ar,castspec-cast-ngram,castspec-cast-suffix] [--heldout-offset 3]
+     (writes NAME.json, NAME.md, NAME.png)"""
 
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ SERVED = "qwen2.5-coder-1.5b"
 CASTSPEC_SERVERS = {"castspec-ar": ["--method", "ar"], "castspec-ar-eager": ["--method", "ar", "--no-compile"],
                     "castspec-cast-ngram": [],
                     "castspec-cast-suffix": ["--drafter", "suffix"]}
+VLLM_SERVERS = {"vllm": [], "vllm-ngram": ["--speculative-config", json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})]}
 
 
 def log(message: str) -> None:
@@ -83,8 +91,12 @@ def server_command(name: str, vllm: Path, model_dir: str, port: int, home: Path,
     if name.startswith("vllm"):
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_TARGET_DEVICE="cpu",
                    **(vllm_env or {}))
+        iomp = vllm.parent.parent / "lib" / "libiomp5.so"
+        if name == "vllm-ngram" and iomp.exists():  # what vLLM's CPU speculation asks for in its warning
+            env["LD_PRELOAD"] = str(iomp)
         return [str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-                "--max-model-len", "4096", "--served-model-name", SERVED, *(vllm_args or {}).get(name, [])], env
+                "--max-model-len", "4096", "--served-model-name", SERVED,
+                *(vllm_args or VLLM_SERVERS).get(name, [])], env
     env["CASTSPEC_HOME"] = str(home)
     return [sys.executable, "-m", "castspec.cli", "serve", "--model", SERVED, "--dtype", "bf16", "--host",
             "127.0.0.1", "--port", str(port), "--max-batch-size", "8",
@@ -115,9 +127,9 @@ def fresh_home() -> Path:
     return home
 
 
-def keep_server(result: dict, out: Path, name: str, startup_s: float, levels_out: dict) -> None:
-    """Record a server's levels and rewrite NAME.json (each server kept as it ends)."""
-    result["servers"][name] = {"startup_s": round(startup_s, 1), "levels": levels_out}
+def keep_server(result: dict, out: Path, name: str, startup_s: float, levels_out: dict, **extra) -> None:
+    """Record a server's levels (and `extra` results) and rewrite NAME.json (each server kept as it ends)."""
+    result["servers"][name] = {"startup_s": round(startup_s, 1), "levels": levels_out, **extra}
     (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
@@ -171,6 +183,8 @@ def main() -> None:
     parser.add_argument("--sets", default="mtbench,humaneval,gsm8k,repetitive")
     parser.add_argument("--per-set", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--heldout-offset", type=int, default=None,
+                        help="also load every server with the prompts after this many of each set")
     args = parser.parse_args()
     from castspec.cli.options import prompt_rows
 
@@ -179,11 +193,14 @@ def main() -> None:
     vllm = install_vllm(Path(args.venv))
     model_dir = str(resolve(SERVED))
     rows = prompt_rows(args.sets, args.per_set, 0)
-    prompts = out.parent / f"{out.name}-prompts.jsonl"  # the client's custom dataset: the user turn of each row
-    prompts.write_text("".join(json.dumps({"prompt": r["messages"][-1]["content"], "output_tokens": args.output_len})
-                               + "\n" for r in rows))
+    prompts = write_prompts(out.parent / f"{out.name}-prompts.jsonl", rows, args.output_len)
+    heldout = None
+    if args.heldout_offset is not None:
+        heldout_rows = prompt_rows(args.sets, args.per_set, args.heldout_offset)
+        heldout = write_prompts(out.parent / f"{out.name}-heldout-prompts.jsonl", heldout_rows, args.output_len)
     levels = [int(c) for c in args.concurrency.split(",")]
-    result = new_result(prompts=[r["id"] for r in rows], output_len=args.output_len)
+    result = new_result(prompts=[r["id"] for r in rows], output_len=args.output_len,
+                        heldout_prompts=[r["id"] for r in heldout_rows] if heldout else None)
     for name in args.servers.split(","):
         home = fresh_home()
         port = free_port()
@@ -196,32 +213,58 @@ def main() -> None:
                 levels_out[str(c)] = load(vllm, base, model_dir, prompts, len(rows), c, args.output_len, out.parent,
                                           f"{out.name}-{name}")
                 log(f"  {name} c={c}: {levels_out[str(c)]['output_throughput']:.2f} tok/s")
-        keep_server(result, out, name, startup_s, levels_out)
+            heldout_out = {}
+            for c in levels if heldout else []:
+                heldout_out[str(c)] = load(vllm, base, model_dir, heldout, len(heldout_rows), c, args.output_len,
+                                           out.parent, f"{out.name}-{name}-heldout")
+                log(f"  {name} held-out c={c}: {heldout_out[str(c)]['output_throughput']:.2f} tok/s")
+        keep_server(result, out, name, startup_s, levels_out, **({"heldout": heldout_out} if heldout else {}))
     finish(out, report(result, levels), lambda path: plot(result, levels, path))
+
+
+def write_prompts(path: Path, rows: list[dict], output_len: int) -> Path:
+    """The client's custom dataset: the user turn of each row."""
+    path.write_text("".join(json.dumps({"prompt": r["messages"][-1]["content"], "output_tokens": output_len})
+                            + "\n" for r in rows))
+    return path
 
 
 def report(result: dict, levels: list[int]) -> str:
     meta, servers = result["meta"], result["servers"]
-    peer = servers.get("vllm")
     lines = [f"# castspec beside vLLM for CPU: {meta['model']} bf16, {meta['machine']}", "",
              f"`{meta['command']}` ({meta['date']}); client: `vllm bench serve` (openai-chat, custom dataset, "
              f"{len(meta['prompts'])} prompts x {meta['output_len']} tokens, temperature 0); one server at a time.",
-             "", "| server | start-up s | " + " | ".join(f"tok/s c={c} (x vLLM)" for c in levels)
-             + " | " + " | ".join(f"TTFT / TPOT ms c={c}" for c in levels) + " |",
-             "|---|---|" + "---|" * (2 * len(levels))]
-    for name, s in servers.items():
-        cells = []
-        for c in levels:
-            tps = s["levels"][str(c)]["output_throughput"]
-            ref = peer["levels"][str(c)]["output_throughput"] if peer else None
-            cells.append(f"{tps:.2f}" + (f" ({tps / ref:.2f}x)" if ref else ""))
-        cells += [f"{s['levels'][str(c)]['median_ttft_ms']:.0f} / {s['levels'][str(c)]['median_tpot_ms']:.0f}"
-                  for c in levels]
-        lines.append(f"| {name} | {s['startup_s']} | " + " | ".join(cells) + " |")
+             "", *level_table(servers, "levels", levels)]
+    if meta.get("heldout_prompts"):
+        lines += ["", f"Held-out prompts ({', '.join(meta['heldout_prompts'])}), same servers, right after:", "",
+                  *level_table(servers, "heldout", levels)]
     lines += ["", "Prompts: " + ", ".join(meta["prompts"]) + ". Token totals per run: "
               + ", ".join(f"{n} c={c}: {s['levels'][str(c)]['total_output_tokens']}" for n, s in servers.items()
                           for c in levels) + "."]
     return "\n".join(lines)
+
+
+def level_table(servers: dict, key: str, levels: list[int]) -> list[str]:
+    """One row per server: tok/s at each level, as a multiple of vLLM plain and of vLLM's best server there."""
+    def tps(s: dict, c: int) -> float:
+        return s[key][str(c)]["output_throughput"]
+
+    plain = servers.get("vllm")
+    best = {c: max((tps(s, c) for n, s in servers.items() if n.startswith("vllm") and key in s), default=None)
+            for c in levels}
+    lines = ["| server | start-up s | " + " | ".join(f"tok/s c={c} (x vLLM plain, x vLLM best)" for c in levels)
+             + " | " + " | ".join(f"TTFT / TPOT ms c={c}" for c in levels) + " |",
+             "|---|---|" + "---|" * (2 * len(levels))]
+    for name, s in servers.items():
+        if key not in s:
+            continue
+        cells = []
+        for c in levels:
+            ratios = [f"{tps(s, c) / ref:.2f}x" for ref in (tps(plain, c) if plain else None, best[c]) if ref]
+            cells.append(f"{tps(s, c):.2f}" + (f" ({', '.join(ratios)})" if ratios else ""))
+        cells += [f"{s[key][str(c)]['median_ttft_ms']:.0f} / {s[key][str(c)]['median_tpot_ms']:.0f}" for c in levels]
+        lines.append(f"| {name} | {s['startup_s']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(result: dict, levels: list[int], path: Path) -> None:
