@@ -12,8 +12,12 @@ kernels, which are the ones Hugging Face's own greedy decoding runs (the exactne
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+from castspec.decode.row_linear import row_kernel, rows_pay
 
 # the batch size oneDNN lays the blocks out for; a packed weight serves any number of rows, and 16 (a tree's
 # verify) was as fast as 1 at one row and faster from four rows on
@@ -38,31 +42,40 @@ class PrepackedLinear(nn.Module):
             self.register_parameter("dense", None)
             self._packed = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
+        # the dense weight again, for one-row forwards where the row kernel streams it faster (`prepack` keeps it
+        # only where that was measured; decode/row_linear.py)
+        self.row_weight: torch.Tensor | None = None
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.dense if self.dense is not None else self._packed.to_dense()
+        if self.dense is not None:
+            return self.dense
+        return self.row_weight if self.row_weight is not None else self._packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad and torch.is_grad_enabled():
             # oneDNN's packed op has no backward: a loss through this layer (an EAGLE head trained through the
             # target's lm_head) takes aten's linear over the dense weight
             return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.castspec.packed_linear(x, self._packed, self.bias)
+        return torch.ops.castspec.packed_linear(x, self._packed, self.bias, self.row_weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 @torch.library.custom_op("castspec::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear over a packed weight, as one opaque op: a compiled forward calls the same kernel (Inductor
-    has no lowering of it for shapes that change)."""
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  row_weight: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over a packed weight, or for a single row the row kernel over `row_weight` where one is
+    kept, as one opaque op: a compiled forward calls the same kernels (Inductor has no lowering of oneDNN's for
+    shapes that change), and which one runs is decided per call by the row count."""
+    if row_weight is not None and x.numel() == x.shape[-1]:
+        return row_kernel()(x, row_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @packed_linear.register_fake
-def _(x, packed, bias):
+def _(x, packed, bias, row_weight):
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
@@ -86,11 +99,35 @@ def prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE))
         return 0
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linears = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    rows = row_kernel() is not None and next(model.parameters()).dtype == torch.bfloat16
+    packed = []
     for name, linear in linears:
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, PrepackedLinear(linear, keep_dense=linear is output))
+        packed.append(PrepackedLinear(linear, keep_dense=linear is output))
+        if rows:
+            packed[-1].row_weight = linear.weight.detach().contiguous()
+        setattr(model.get_submodule(parent), leaf, packed[-1])
     model.castspec_prepacked = True
+    model.castspec_row_speedup = None
+    if rows:
+        # measured on the first layer's linears (a decoder layer's worth of weights, beyond the caches)
+        speedup = rows_pay([m for m in packed if m.dense is None][:7])
+        if speedup >= ROW_KERNEL_MIN_SPEEDUP and _free_bytes() > ROW_KERNEL_MIN_FREE:
+            model.castspec_row_speedup = speedup
+        else:
+            for module in packed:
+                module.row_weight = None  # the dense copies go: oneDNN's packed kernel serves every row
     return len(linears)
+
+
+# the row kernel is kept where one row through a layer's linears was at least this much faster than oneDNN's
+ROW_KERNEL_MIN_SPEEDUP = 1.05
+# and where keeping the dense weights beside the packed ones leaves this much memory free
+ROW_KERNEL_MIN_FREE = 2 << 30
+
+
+def _free_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def is_prepacked(model: nn.Module) -> bool:

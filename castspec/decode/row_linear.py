@@ -1,0 +1,67 @@
+"""One token's row through a bf16 linear layer, by a kernel of our own where it streams the weights faster.
+
+A decode step at batch 1 sends one row through every linear layer: its time is the weights' bytes over the rate
+the kernel reads them. On a 2-core AMD EPYC with AVX512-BF16 (no AMX), oneDNN's bf16 linear over pre-packed
+weights read the 1.5B target's shapes at 17-25 GB/s, where a plain AVX512-BF16 dot product over the dense
+[out, in] weight, eight output rows at a time, read them at 28-38 GB/s (bench/forward-profile/row-kernel-*). For
+two rows and more, oneDNN's packed kernel stays: it re-uses each weight block across the rows.
+
+The kernel (`row_linear.cpp`) is compiled once per machine with torch's extension builder (into torch's extension
+cache, ~25 s) and only on a CPU with AVX512-BF16; `CASTSPEC_ROW_KERNEL=0` turns it off. Whether it is used for a
+model is measured at load on that model's own first layer (`rows_pay`), not assumed from the CPU's name."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("row_linear.cpp")
+
+
+@functools.cache
+def row_kernel() -> Callable | None:
+    """The compiled kernel's function, or None: no AVX512-BF16 here, turned off, or the build failed (why is
+    kept in `build_error`)."""
+    if os.environ.get("CASTSPEC_ROW_KERNEL", "1") == "0" or not torch.cpu._is_avx512_bf16_supported():
+        return None
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # the `ninja` wheel's binary sits beside this Python, maybe not on PATH
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    try:
+        module = load("castspec_row_linear", [str(SOURCE)], verbose=False,
+                      extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+                      extra_ldflags=["-fopenmp"])
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja: oneDNN's kernel serves every row
+        build_error.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return None
+    return module.row_linear
+
+
+build_error: list[str] = []
+
+
+@torch.inference_mode()  # with autograd on, oneDNN's op takes a slow path for a bias that requires grad
+def rows_pay(layers: list, rounds: int = 7) -> float:
+    """Time one row through `layers` (PrepackedLinears holding their dense weights), oneDNN's packed kernel and
+    the row kernel in turn over `rounds`; returns how many times faster the row kernel was (medians)."""
+    kernel = row_kernel()
+    x = {layer.in_features: torch.randn(1, layer.in_features, dtype=torch.bfloat16) for layer in layers}
+    onednn, ours = [], []
+    for _ in range(rounds):
+        for times, run in ((onednn, lambda lay: torch.ops.mkldnn._linear_pointwise(
+                x[lay.in_features], lay._packed, lay.bias, "none", [], "")),
+                           (ours, lambda lay: kernel(x[lay.in_features], lay.row_weight, lay.bias))):
+            start = time.perf_counter()
+            for layer in layers:
+                run(layer)
+            times.append(time.perf_counter() - start)
+    return statistics.median(onednn) / statistics.median(ours)
