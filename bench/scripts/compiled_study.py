@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from paired_bars import paired_bars
+from paired_bars import paired_bars, paired_rows, paired_table
 
 from castspec.costs.table import machine_label
 from castspec.decode import compiled
@@ -78,13 +77,7 @@ def main() -> None:
                     else:
                         case[name].append(step(target, batch, n))
         print(f"round {round_ + 1} done", file=sys.stderr, flush=True)
-    rows = []
-    for case, s in samples.items():
-        ratios = [e / c for e, c in zip(s["eager"], s["compiled"], strict=True)]
-        rows.append({"case": case, "eager_ms": round(1000 * statistics.median(s["eager"]), 1),
-                     "compiled_ms": round(1000 * statistics.median(s["compiled"]), 1),
-                     "eager_over_compiled": round(statistics.median(ratios), 3),
-                     "pairs_compiled_faster": f"{sum(r > 1 for r in ratios)}/{len(ratios)}"})
+    rows = paired_rows(samples, "eager", "compiled")
     command = (f"python bench/scripts/compiled_study.py {args.out} --rounds {args.rounds} --steps {args.steps} "
                f"--model {args.model} --dtype {args.dtype}")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_label(), "model": args.model,
@@ -96,10 +89,7 @@ def main() -> None:
              "", f"{meta['date']}, {meta['machine']}; compiled once in "
              f"{meta['compile_s']} s (two graphs); single steps alternated eager / compiled, {args.rounds} rounds x "
              f"{args.steps} pairs per case.", "", "```", command, "```", "",
-             "| case | eager ms | compiled ms | eager / compiled (median of pairs) | pairs compiled faster |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['case']} | {r['eager_ms']} | {r['compiled_ms']} | {r['eager_over_compiled']:.3f}x | "
-              f"{r['pairs_compiled_faster']} |" for r in rows]
+             *paired_table(rows, "eager", "compiled", ("eager", "compiled"))]
     lines += ["", f"![plot]({out.name}.png)"]
     (out.parent / f"{out.name}.md").write_text("\n".join(lines) + "\n")
     paired_bars(rows, ("eager_ms", "compiled_ms"), ("eager", "compiled"), "eager_over_compiled",

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from paired_bars import paired_bars
+from paired_bars import paired_bars, paired_rows, paired_table
 
 from castspec.costs.table import machine_label
 from castspec.decode.prepack import PrepackedLinear
@@ -117,13 +116,7 @@ def main() -> None:
                     case[name].append(step(batch, n))
         print(f"round {round_ + 1} done", file=sys.stderr, flush=True)
     use_rows(True)
-    rows = []
-    for case, s in samples.items():
-        ratios = [a / b for a, b in zip(s["onednn"], s["row_kernel"], strict=True)]
-        rows.append({"case": case, "onednn_ms": round(1000 * statistics.median(s["onednn"]), 1),
-                     "row_kernel_ms": round(1000 * statistics.median(s["row_kernel"]), 1),
-                     "onednn_over_row_kernel": round(statistics.median(ratios), 3),
-                     "pairs_row_kernel_faster": f"{sum(r > 1 for r in ratios)}/{len(ratios)}"})
+    rows = paired_rows(samples, "onednn", "row_kernel")
     command = f"python bench/scripts/row_kernel_study.py {args.out} --rounds {args.rounds} --steps {args.steps}"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_label(), "model": args.model,
             "dtype": "bf16", "threads": torch.get_num_threads(), "load_lines": lines_in, "command": command}
@@ -136,10 +129,7 @@ def main() -> None:
              *[f"| {r['shape']} | {r['row_kernel_gbs']} | {r['onednn_gbs']} |" for r in alone], "",
              "## Decode forwards of the compiled target, alternated single steps", "",
              f"{args.rounds} rounds x {args.steps} pairs per case; only one-row forwards (B=1 n=1) use the kernel.", "",
-             "| case | oneDNN ms | row kernel ms | oneDNN / row kernel (median of pairs) | pairs row kernel faster |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['case']} | {r['onednn_ms']} | {r['row_kernel_ms']} | {r['onednn_over_row_kernel']:.3f}x | "
-              f"{r['pairs_row_kernel_faster']} |" for r in rows]
+             *paired_table(rows, "onednn", "row_kernel", ("oneDNN", "row kernel"))]
     lines += ["", f"![plot]({out.name}.png)"]
     (out.parent / f"{out.name}.md").write_text("\n".join(lines) + "\n")
     paired_bars(rows, ("onednn_ms", "row_kernel_ms"), ("oneDNN packed", "row kernel"), "onednn_over_row_kernel",
