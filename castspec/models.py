@@ -292,9 +292,12 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
 
         start = time.perf_counter()
         if count := prepack_linears(lm):
+            from castspec.decode.row_linear import load_seconds
+
             rows = getattr(lm, "castspec_row_speedup", None)
+            built = f", the row kernel compiled in {load_seconds[0]:.0f} s" if sum(load_seconds) > 5 else ""
             log(f"{Path(source).name}: {count} linear layers packed for this CPU's matrix units "
-                f"in {time.perf_counter() - start:.1f} s (--no-prepack: as loaded)"
+                f"in {time.perf_counter() - start:.1f} s{built} (--no-prepack: as loaded)"
                 + (f"; one-row forwards by castspec's AVX512-BF16 kernel, {rows:.2f}x oneDNN's on this model "
                    f"(its dense weights kept beside the packed ones; CASTSPEC_ROW_KERNEL=0: oneDNN's)"
                    if rows else ""))

@@ -36,6 +36,7 @@ def row_kernel() -> Callable | None:
 
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary sits beside this Python, maybe not on PATH
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    start = time.perf_counter()
     try:
         module = load("castspec_row_linear", [str(SOURCE)], verbose=False,
                       extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
@@ -43,10 +44,12 @@ def row_kernel() -> Callable | None:
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja: oneDNN's kernel serves every row
         build_error.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return None
+    load_seconds.append(time.perf_counter() - start)
     return module.row_linear
 
 
 build_error: list[str] = []
+load_seconds: list[float] = []  # compiling it the first time on a machine takes ~25 s; loading it after, ~0.1 s
 
 
 @torch.inference_mode()  # with autograd on, oneDNN's op takes a slow path for a bias that requires grad
