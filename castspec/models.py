@@ -264,6 +264,32 @@ def resolve(model: str, log: Log = _stderr) -> str:
     return model  # a hub id: from_pretrained resolves it (and says so if the hub is unreachable)
 
 
+def _row_kernel_decisions() -> dict[str, float]:
+    """The one-row kernel's speed over oneDNN's, as first measured per machine, model and dtype (prepack uses the
+    first measurement for good: a setup's cost tables are keyed by whether the kernel runs)."""
+    path = castspec_home() / "row-kernel.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember_row_kernel(key: str, speedup: float) -> None:
+    path = castspec_home() / "row-kernel.json"
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        decisions = {**_row_kernel_decisions(), key: round(speedup, 3)}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(decisions, indent=1) + "\n")
+        tmp.replace(path)
+
+
+def _machine() -> str:
+    from castspec.costs.table import machine_label
+
+    return machine_label()
+
+
 def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = _stderr, prepack: bool = True,
                compile: bool = False):
     """Load a causal LM and its tokenizer; returns (model, tokenizer). With `prepack`, a CPU bf16 / fp16 model's
@@ -291,15 +317,21 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
         from castspec.decode.prepack import prepack as prepack_linears
 
         start = time.perf_counter()
-        if count := prepack_linears(lm):
+        remembered = _row_kernel_decisions()
+        key = f"{_machine()} {Path(source).name} {dtype}"
+        if count := prepack_linears(lm, row_speedup=remembered.get(key)):
             from castspec.decode.row_linear import load_seconds
 
+            if key not in remembered and getattr(lm, "castspec_row_measured", None) is not None:
+                _remember_row_kernel(key, lm.castspec_row_measured)
             rows = getattr(lm, "castspec_row_speedup", None)
             built = f", the row kernel compiled in {load_seconds[0]:.0f} s" if sum(load_seconds) > 5 else ""
+            load_seconds.clear()  # said once per process
             log(f"{Path(source).name}: {count} linear layers packed for this CPU's matrix units "
                 f"in {time.perf_counter() - start:.1f} s{built} (--no-prepack: as loaded)"
                 + (f"; one-row forwards by castspec's AVX512-BF16 kernel, {rows:.2f}x oneDNN's on this model "
-                   f"(its dense weights kept beside the packed ones; CASTSPEC_ROW_KERNEL=0: oneDNN's)"
+                   f"at its first load here (its dense weights kept beside the packed ones; "
+                   f"CASTSPEC_ROW_KERNEL=0: oneDNN's)"
                    if rows else ""))
     if compile:
         from castspec.decode.compiled import compile_target

@@ -89,12 +89,17 @@ def can_prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKAB
 
 
 @torch.no_grad()
-def prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE)) -> int:
+def prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE),
+            row_speedup: float | None = None) -> int:
     """Swap every `nn.Linear` of a CPU model whose weights are in one of `dtypes` (by default bf16 and fp16: fp32
     stays on the kernels Hugging Face's own decoding runs) for a `PrepackedLinear` in place; returns how many
     were swapped (0 where `can_prepack` says no). The output layer keeps its dense weight too: EAGLE heads and
     draft vocabularies read it, and a tied one is the input embedding anyway. Marks the model (`is_prepacked`),
-    whose cost tables are then its own: its forwards take less time than the same model's unpacked."""
+    whose cost tables are then its own: its forwards take less time than the same model's unpacked. With the row
+    kernel on this CPU, a bf16 model keeps its dense weights for it where `row_speedup` (the kernel's speed over
+    oneDNN's at one row; measured now on the first layer when not given, kept in `castspec_row_measured`) is high
+    enough: the loader passes the first measurement on this machine, so that a setup's cost key does not change
+    with a later timing's noise."""
     if is_prepacked(model) or not can_prepack(model, dtypes):
         return 0
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -111,7 +116,8 @@ def prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE))
     model.castspec_row_speedup = None
     if rows:
         # measured on the first layer's linears (a decoder layer's worth of weights, beyond the caches)
-        speedup = rows_pay([m for m in packed if m.dense is None][:7])
+        speedup = row_speedup if row_speedup is not None else rows_pay([m for m in packed if m.dense is None][:7])
+        model.castspec_row_measured = speedup
         if speedup >= ROW_KERNEL_MIN_SPEEDUP and _free_bytes() > ROW_KERNEL_MIN_FREE:
             model.castspec_row_speedup = speedup
         else:
