@@ -200,6 +200,19 @@ def test_calibration_starts_at_the_drafters_word_and_learns_the_acceptance_rate(
     assert torch.allclose(calibration(scores), scores, atol=0.03)
 
 
+def test_evidence_in_one_bin_is_not_dragged_down_by_the_priors_of_unseen_bins_above_it():
+    """A suffix match seen once scores ~0.47; in a copied span the target takes every such node. The bins above
+    (0.5-1.0) saw nothing: their priors must not pool the observed bin down to ~0.9 (which made a chain of 6
+    copied tokens look worth 0.9^6 and capped CAST's trees at 5-6 nodes where chain-16 took 16 every step)."""
+    from castspec.policies.cast import AcceptanceCalibration
+
+    calibration = AcceptanceCalibration()
+    for _ in range(14):  # 14 steps of 5 copied nodes, all taken
+        calibration.observe([0.469] * 5, [True] * 5)
+    copied, above = calibration(torch.tensor([0.469, 0.8])).tolist()
+    assert copied > 0.95 and above >= copied  # what was seen, and a likelier score never maps below it
+
+
 def test_calibrated_utilities_fall_along_a_chain_of_confident_guesses():
     from castspec.decode.tree import DraftTree
 

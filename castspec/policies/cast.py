@@ -45,11 +45,12 @@ class AcceptanceCalibration:
     suffix once says 1.0 at every step of a long chain, a weak EAGLE head is confident and wrong. Probabilities are
     binned; each bin starts with `prior` pseudo-observations at its own centre (so an unobserved drafter is taken
     at its word), counts decay by `decay` per step so the map follows the text, and the per-bin rates are fitted
-    non-decreasing (weighted isotonic regression) so that a likelier child never maps below a less likely one.
-    A node's utility is then the product of calibrated probabilities along its path (`CastPolicy.node_utility`),
-    which keeps every child below its parent."""
+    non-decreasing (isotonic regression weighted by each bin's own evidence) so that a likelier child never maps
+    below a less likely one. A node's utility is then the product of calibrated probabilities along its path
+    (`CastPolicy.node_utility`), which keeps every child below its parent."""
 
     EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97, 1.0)
+    UNSEEN_WEIGHT = 1e-3  # a bin with no evidence of its own yields to any bin that has some
 
     def __init__(self, prior: float = 4.0, decay: float = 0.99) -> None:
         self.centres = [(lo + hi) / 2 for lo, hi in pairwise(self.EDGES)]
@@ -70,7 +71,11 @@ class AcceptanceCalibration:
             self.seen[i] += 1
             self.accepted[i] += float(ok)
         rates = [a / n if n > 0 else c for a, n, c in zip(self.accepted, self.seen, self.centres, strict=True)]
-        self.rates = isotonic(rates, self.seen)
+        # the fit weighs each bin by its own evidence (what it saw beyond its prior), so that the priors of bins
+        # that saw nothing do not pool an observed bin towards their centres: 70 of 70 suffix nodes scored 0.47
+        # taken read 0.92 when 9 unseen bins above it with 4 pseudo-observations each joined its pool
+        evidence = [max(n - self.prior, 0.0) + self.UNSEEN_WEIGHT for n in self.seen]
+        self.rates = isotonic(rates, evidence)
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
         """Calibrated scores: piecewise-linear through the bin centres (0 stays 0: padding)."""
