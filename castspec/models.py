@@ -264,30 +264,41 @@ def resolve(model: str, log: Log = _stderr) -> str:
     return model  # a hub id: from_pretrained resolves it (and says so if the hub is unreachable)
 
 
-def _row_kernel_decisions() -> dict[str, float]:
-    """The one-row kernel's speed over oneDNN's, as first measured per machine, model and dtype (prepack uses the
-    first measurement for good: a setup's cost tables are keyed by whether the kernel runs)."""
-    path = castspec_home() / "row-kernel.json"
+def _row_kernel_timings(key: str) -> dict[int, float] | None:
+    """The row kernel's speed over oneDNN's per row count, as first timed for this machine, model and dtype
+    (`key`): prepack decides by it for good, since a setup's cost tables are keyed by the rows the kernel takes.
+    None where nothing is kept yet (or only a one-row timing, from before the kernel took several rows)."""
+    kept = _row_kernel_file().get(key)
+    return {int(rows): speedup for rows, speedup in kept.items()} if isinstance(kept, dict) else None
+
+
+def _row_kernel_file() -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads((castspec_home() / "row-kernel.json").read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _remember_row_kernel(key: str, speedup: float) -> None:
+def _remember_row_kernel(key: str, speedups: dict[int, float]) -> None:
     path = castspec_home() / "row-kernel.json"
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        decisions = {**_row_kernel_decisions(), key: round(speedup, 3)}
+        kept = {**_row_kernel_file(), key: {str(rows): round(s, 3) for rows, s in sorted(speedups.items())}}
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(decisions, indent=1) + "\n")
+        tmp.write_text(json.dumps(kept, indent=1) + "\n")
         tmp.replace(path)
 
 
-def _machine() -> str:
-    from castspec.costs.table import machine_label
-
-    return machine_label()
+def _row_kernel_words(model) -> str:
+    limit = getattr(model, "castspec_row_limit", 0)
+    if not limit:
+        return ""
+    speedups = model.castspec_row_speedups
+    counts = sorted(speedups)
+    timed = ", ".join(f"{speedups[rows]:.2f}x" for rows in counts)
+    return (f"; forwards of up to {limit} row{'s' if limit > 1 else ''} by castspec's AVX512-BF16 kernel "
+            f"({timed} oneDNN's speed at {', '.join(map(str, counts))} rows, timed on this model at its first load "
+            f"here; its dense weights kept beside the packed ones; CASTSPEC_ROW_KERNEL=0: oneDNN's)")
 
 
 def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = _stderr, prepack: bool = True,
@@ -314,25 +325,21 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
             hf_logging.enable_progress_bar()
     lm.to(device).eval()
     if prepack:
+        from castspec.costs.table import machine_label
         from castspec.decode.prepack import prepack as prepack_linears
 
         start = time.perf_counter()
-        remembered = _row_kernel_decisions()
-        key = f"{_machine()} {Path(source).name} {dtype}"
-        if count := prepack_linears(lm, row_speedup=remembered.get(key)):
+        key = f"{machine_label()} {Path(source).name} {dtype}"
+        remembered = _row_kernel_timings(key)
+        if count := prepack_linears(lm, row_speedups=remembered):
             from castspec.decode.row_linear import load_seconds
 
-            if key not in remembered and getattr(lm, "castspec_row_measured", None) is not None:
-                _remember_row_kernel(key, lm.castspec_row_measured)
-            rows = getattr(lm, "castspec_row_speedup", None)
+            if remembered is None and getattr(lm, "castspec_row_speedups", None):
+                _remember_row_kernel(key, lm.castspec_row_speedups)
             built = f", the row kernel compiled in {load_seconds[0]:.0f} s" if sum(load_seconds) > 5 else ""
             load_seconds.clear()  # said once per process
             log(f"{Path(source).name}: {count} linear layers packed for this CPU's matrix units "
-                f"in {time.perf_counter() - start:.1f} s{built} (--no-prepack: as loaded)"
-                + (f"; one-row forwards by castspec's AVX512-BF16 kernel, {rows:.2f}x oneDNN's on this model "
-                   f"at its first load here (its dense weights kept beside the packed ones; "
-                   f"CASTSPEC_ROW_KERNEL=0: oneDNN's)"
-                   if rows else ""))
+                f"in {time.perf_counter() - start:.1f} s{built} (--no-prepack: as loaded)" + _row_kernel_words(lm))
     if compile:
         from castspec.decode.compiled import compile_target
 

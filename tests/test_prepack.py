@@ -15,7 +15,7 @@ from torch import nn
 from castspec import Engine
 from castspec.costs.table import CostTable, model_identity, setup_key
 from castspec.decode.prepack import PrepackedLinear, can_prepack, is_prepacked, prepack
-from castspec.decode.row_linear import build_error, row_kernel
+from castspec.decode.row_linear import build_error, kernel_rows, row_kernel
 from castspec.drafters.ngram import NgramDrafter
 from castspec.errors import CastspecError
 from castspec.models import load_model
@@ -47,7 +47,8 @@ def test_bf16_is_packed_by_default_with_the_same_parameters_and_logits():
     assert is_prepacked(packed) and not is_prepacked(stock) and linears(packed) == 0
     assert model_identity(packed) == model_identity(stock)  # the same model, by the key that names it
     stock_key, packed_key = setup_key(stock), setup_key(packed)
-    rows = "+row-kernel" if packed.castspec_row_speedup else ""
+    limit = packed.castspec_row_limit
+    rows = "+row-kernel" + (f"-{limit}-rows" if limit > 1 else "") if limit else ""
     assert packed_key.pop("linears") == "onednn-prepacked" + rows and packed_key == stock_key
     ids = torch.tensor([tokenizer(PROMPTS[2] + PROMPTS[6]).input_ids])
     with torch.inference_mode():
@@ -94,38 +95,49 @@ def test_cost_tables_of_packed_and_unpacked_setups_are_kept_apart(packed_fp32, s
 
 
 @pytest.mark.skipif(row_kernel() is None, reason=f"no row kernel on this CPU ({build_error or 'no AVX512-BF16'})")
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
 @pytest.mark.parametrize("out_features, in_features", [(96, 576), (1536, 8960), (37, 33), (8, 70)])
-def test_the_row_kernel_rounds_the_exact_dot_product_once(out_features, in_features):
-    """One row through a bf16 layer by castspec's kernel: the fp32 product and bias rounded once to bf16, for
-    widths that fill the 32-lane loads and ones that end in a partial load, blocks of 8 rows and a short last one."""
-    torch.manual_seed(out_features)
+def test_the_row_kernel_rounds_the_exact_dot_product_once(out_features, in_features, rows):
+    """A few rows through a bf16 layer by castspec's kernel: each output the fp32 product and bias rounded once to
+    bf16, for widths that fill the 32-lane loads and ones that end in a partial load, output tiles of 8 and 6
+    and short last ones, and row counts that fill the four-row chunks or leave a remainder."""
+    torch.manual_seed(out_features + rows)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     bias = torch.randn(out_features, dtype=torch.bfloat16)
-    x = torch.randn(1, 1, in_features, dtype=torch.bfloat16)
+    x = torch.randn(1, rows, in_features, dtype=torch.bfloat16)
     exact = nn.functional.linear(x.double(), weight.double(), bias.double())
     got = row_kernel()(x, weight, bias)
-    assert got.shape == (1, 1, out_features) and got.dtype == torch.bfloat16
+    assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
     # fp32 accumulation in another order than float64's: at most one bf16 step from the exact value
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
     assert (got == exact.to(torch.bfloat16)).float().mean() > 0.97
     no_bias = nn.functional.linear(x.double(), weight.double())
     assert ((row_kernel()(x, weight, None).double() - no_bias).abs() <= no_bias.abs() * 2**-7 + 1e-3).all()
+    # a row's result does not depend on the rows beside it
+    assert torch.equal(row_kernel()(x[:, -1:], weight, bias), got[:, -1:])
 
 
 @pytest.mark.skipif(row_kernel() is None, reason=f"no row kernel on this CPU ({build_error or 'no AVX512-BF16'})")
-def test_a_packed_layer_sends_one_row_to_the_row_kernel_and_more_to_onednn():
+def test_a_packed_layer_sends_up_to_its_row_limit_to_the_row_kernel_and_more_to_onednn():
     torch.manual_seed(0)
     plain = nn.Linear(64, 40).to(torch.bfloat16)
     packed = PrepackedLinear(plain)
-    packed.row_weight = plain.weight.detach()
+    packed.row_weight, packed.row_limit = plain.weight.detach(), 4
     with torch.inference_mode():
-        for rows in (1, 3):
+        for rows in (1, 4, 5):
             x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
             by_layer = packed(x)
-            want = (row_kernel()(x, plain.weight, plain.bias) if rows == 1 else
+            want = (row_kernel()(x, plain.weight, plain.bias) if rows <= 4 else
                     torch.ops.mkldnn._linear_pointwise(x, packed._packed, plain.bias, "none", [], ""))
             assert torch.equal(by_layer, want)
             torch.testing.assert_close(by_layer.float(), plain(x).float(), atol=0.05, rtol=0.02)
+
+
+def test_the_kernel_takes_every_row_count_up_to_the_largest_that_paid_and_all_below_it():
+    assert kernel_rows({1: 1.3, 2: 1.2, 4: 1.1, 8: 0.9}) == 4
+    assert kernel_rows({1: 1.3, 2: 1.01, 4: 1.2, 8: 1.2}) == 1  # a count that did not pay ends the run
+    assert kernel_rows({1: 0.98, 2: 1.3}) == 0
+    assert kernel_rows({8: 1.2, 1: 1.2, 4: 1.2, 2: 1.2}) == 8
 
 
 def test_gradients_flow_through_a_packed_layer_as_through_nn_linear():

@@ -1,11 +1,11 @@
-"""One-row linears by castspec's AVX512-BF16 kernel against oneDNN's packed kernel (`decode.row_linear`).
+"""Few-row linears by castspec's AVX512-BF16 kernel against oneDNN's packed kernel (`decode.row_linear`).
 
-Part 1, the kernels alone: one bf16 row through the target's linear shapes, enough copies of each weight to leave
+Part 1, the kernels alone: 1-4 bf16 rows through the target's linear shapes, enough copies of each weight to leave
 the caches, best of 5; GB/s of weight read. Part 2, the target's decode forward (compiled, as the command line
 runs it) in one process: single steps with the dense weights handed to the row kernel, then without (oneDNN's
 packed kernel for every row), alternated and the order flipped every round, so that the machine's drift falls on
-both alike. Only one-row forwards change (B = 1, n = 1); the others are the control. Writes NAME.json, NAME.md,
-NAME.png.
+both alike. Only forwards of up to the model's row limit (the load line says it) change; the others are the
+control. Writes NAME.json, NAME.md, NAME.png.
 
 Run: .venv/bin/python bench/scripts/row_kernel_study.py bench/forward-profile/NAME [--rounds 4] [--steps 6]"""
 
@@ -28,7 +28,8 @@ from castspec.decode.target import Target
 from castspec.decode.tree import DraftTree
 from castspec.models import load_model
 
-CASES = [(1, [400], 1), (1, [400], 16), (4, [300, 500, 400, 600], 1), (1, [1500], 1)]
+CASES = [(1, [400], 1), (2, [300, 500], 1), (1, [400], 16), (4, [300, 500, 400, 600], 1), (1, [1500], 1)]
+ALONE_ROWS = (1, 2, 3, 4)
 
 
 def best_of(run, repeats: int = 5) -> float:
@@ -43,7 +44,7 @@ def best_of(run, repeats: int = 5) -> float:
 
 @torch.inference_mode()
 def kernels_alone(layers: list[PrepackedLinear]) -> list[dict]:
-    """Each distinct shape of `layers`: GB/s of one row through copies of its weight, by both kernels."""
+    """Each distinct shape of `layers`: GB/s of 1-4 rows through copies of its weight, by both kernels."""
     rows, seen = [], set()
     for layer in layers:
         shape = (layer.out_features, layer.in_features)
@@ -54,13 +55,14 @@ def kernels_alone(layers: list[PrepackedLinear]) -> list[dict]:
         weights = [layer.row_weight.clone() for _ in range(copies)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
         gb = 2 * shape[0] * shape[1] * copies / 1e9
-        ours, onednn = one_row_times(torch.randn(1, shape[1], dtype=torch.bfloat16), weights, packed)
-        rows.append({"shape": f"{shape[0]} x {shape[1]}", "row_kernel_gbs": round(gb / ours, 1),
-                     "onednn_gbs": round(gb / onednn, 1)})
+        for count in ALONE_ROWS:
+            ours, onednn = row_times(torch.randn(count, shape[1], dtype=torch.bfloat16), weights, packed)
+            rows.append({"shape": f"{shape[0]} x {shape[1]}", "rows": count, "row_kernel_gbs": round(gb / ours, 1),
+                         "onednn_gbs": round(gb / onednn, 1)})
     return rows
 
 
-def one_row_times(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> tuple[float, float]:
+def row_times(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> tuple[float, float]:
     """Seconds for `x` through every weight: by the row kernel (dense), by oneDNN (packed)."""
     kernel = row_kernel()
     return (best_of(lambda: [kernel(x, w, None) for w in weights]),
@@ -79,7 +81,7 @@ def main() -> None:
     lines_in: list[str] = []
     model, _ = load_model(args.model, "bf16", compile=True, log=lambda line: (lines_in.append(line),
                                                                                print(line, file=sys.stderr)))
-    if not getattr(model, "castspec_row_speedup", None):
+    if not getattr(model, "castspec_row_limit", 0):
         raise SystemExit("the row kernel is not used for this model on this machine (see the load line)")
     layers = [m for m in model.modules() if isinstance(m, PrepackedLinear)]
     kept = [m.row_weight for m in layers]
@@ -122,13 +124,14 @@ def main() -> None:
             "dtype": "bf16", "threads": torch.get_num_threads(), "load_lines": lines_in, "command": command}
     (out.parent / f"{out.name}.json").write_text(json.dumps(
         {"meta": meta, "kernels_alone": alone, "rows": rows, "samples": samples}, indent=1) + "\n")
-    lines = [f"# One-row linears: castspec's AVX512-BF16 kernel against oneDNN's packed kernel, {args.model} bf16",
+    lines = [f"# Few-row linears: castspec's AVX512-BF16 kernel against oneDNN's packed kernel, {args.model} bf16",
              "", f"{meta['date']}, {meta['machine']}.", "", "```", command, "```", "", "At load:", "",
-             *[f"    {line}" for line in lines_in], "", "## The kernels alone (one row, weights beyond the caches)",
-             "", "| weight shape | row kernel GB/s | oneDNN packed GB/s |", "|---|---|---|",
-             *[f"| {r['shape']} | {r['row_kernel_gbs']} | {r['onednn_gbs']} |" for r in alone], "",
+             *[f"    {line}" for line in lines_in], "", "## The kernels alone (weights beyond the caches)",
+             "", "| weight shape | rows | row kernel GB/s | oneDNN packed GB/s |", "|---|---|---|---|",
+             *[f"| {r['shape']} | {r['rows']} | {r['row_kernel_gbs']} | {r['onednn_gbs']} |" for r in alone], "",
              "## Decode forwards of the compiled target, alternated single steps", "",
-             f"{args.rounds} rounds x {args.steps} pairs per case; only one-row forwards (B=1 n=1) use the kernel.", "",
+             f"{args.rounds} rounds x {args.steps} pairs per case; only forwards of up to {model.castspec_row_limit} "
+             "rows (B x n) use the kernel.", "",
              *paired_table(rows, "onednn", "row_kernel", ("oneDNN", "row kernel"))]
     lines += ["", f"![plot]({out.name}.png)"]
     (out.parent / f"{out.name}.md").write_text("\n".join(lines) + "\n")

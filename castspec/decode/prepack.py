@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from castspec.decode.row_linear import row_kernel, rows_pay
+from castspec.decode.row_linear import ROW_COUNTS, kernel_rows, row_kernel, rows_pay
 
 # the batch size oneDNN lays the blocks out for; a packed weight serves any number of rows, and 16 (a tree's
 # verify) was as fast as 1 at one row and faster from four rows on
@@ -42,9 +42,10 @@ class PrepackedLinear(nn.Module):
             self.register_parameter("dense", None)
             self._packed = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
-        # the dense weight again, for one-row forwards where the row kernel streams it faster (`prepack` keeps it
-        # only where that was measured; decode/row_linear.py)
+        # the dense weight again, for forwards of up to `row_limit` rows, which the row kernel streams faster
+        # (`prepack` keeps it only where that was measured; decode/row_linear.py)
         self.row_weight: torch.Tensor | None = None
+        self.row_limit = 0
 
     @property
     def weight(self) -> torch.Tensor:
@@ -57,7 +58,7 @@ class PrepackedLinear(nn.Module):
             # oneDNN's packed op has no backward: a loss through this layer (an EAGLE head trained through the
             # target's lm_head) takes aten's linear over the dense weight
             return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.castspec.packed_linear(x, self._packed, self.bias, self.row_weight)
+        return torch.ops.castspec.packed_linear(x, self._packed, self.bias, self.row_weight, self.row_limit)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -65,17 +66,17 @@ class PrepackedLinear(nn.Module):
 
 @torch.library.custom_op("castspec::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  row_weight: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear over a packed weight, or for a single row the row kernel over `row_weight` where one is
-    kept, as one opaque op: a compiled forward calls the same kernels (Inductor has no lowering of oneDNN's for
-    shapes that change), and which one runs is decided per call by the row count."""
-    if row_weight is not None and x.numel() == x.shape[-1]:
+                  row_weight: torch.Tensor | None, row_limit: int) -> torch.Tensor:
+    """oneDNN's linear over a packed weight, or for up to `row_limit` rows the row kernel over `row_weight` where
+    one is kept, as one opaque op: a compiled forward calls the same kernels (Inductor has no lowering of
+    oneDNN's for shapes that change), and which one runs is decided per call by the row count."""
+    if row_weight is not None and x.numel() <= row_limit * x.shape[-1]:
         return row_kernel()(x, row_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @packed_linear.register_fake
-def _(x, packed, bias, row_weight):
+def _(x, packed, bias, row_weight, row_limit):
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
@@ -90,16 +91,16 @@ def can_prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKAB
 
 @torch.no_grad()
 def prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE),
-            row_speedup: float | None = None) -> int:
+            row_speedups: dict[int, float] | None = None) -> int:
     """Swap every `nn.Linear` of a CPU model whose weights are in one of `dtypes` (by default bf16 and fp16: fp32
     stays on the kernels Hugging Face's own decoding runs) for a `PrepackedLinear` in place; returns how many
     were swapped (0 where `can_prepack` says no). The output layer keeps its dense weight too: EAGLE heads and
     draft vocabularies read it, and a tied one is the input embedding anyway. Marks the model (`is_prepacked`),
     whose cost tables are then its own: its forwards take less time than the same model's unpacked. With the row
-    kernel on this CPU, a bf16 model keeps its dense weights for it where `row_speedup` (the kernel's speed over
-    oneDNN's at one row; measured now on the first layer when not given, kept in `castspec_row_measured`) is high
-    enough: the loader passes the first measurement on this machine, so that a setup's cost key does not change
-    with a later timing's noise."""
+    kernel on this CPU, a bf16 model keeps its dense weights for it, for forwards of up to `castspec_row_limit`
+    rows: `kernel_rows` of `row_speedups` (the kernel's speed over oneDNN's per row count; timed now on the first
+    layer when not given, kept in `castspec_row_speedups`). The loader passes the first timing on this machine,
+    so that a setup's cost key does not change with a later timing's noise."""
     if is_prepacked(model) or not can_prepack(model, dtypes):
         return 0
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -113,22 +114,22 @@ def prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE),
             packed[-1].row_weight = linear.weight.detach().contiguous()
         setattr(model.get_submodule(parent), leaf, packed[-1])
     model.castspec_prepacked = True
-    model.castspec_row_speedup = None
+    model.castspec_row_limit = 0
     if rows:
-        # measured on the first layer's linears (a decoder layer's worth of weights, beyond the caches)
-        speedup = row_speedup if row_speedup is not None else rows_pay([m for m in packed if m.dense is None][:7])
-        model.castspec_row_measured = speedup
-        if speedup >= ROW_KERNEL_MIN_SPEEDUP and _free_bytes() > ROW_KERNEL_MIN_FREE:
-            model.castspec_row_speedup = speedup
-        else:
-            for module in packed:
+        # timed on the first layer's linears (a decoder layer's worth of weights, beyond the caches)
+        first = [m for m in packed if m.dense is None][:7]
+        speedups = row_speedups or {count: rows_pay(first, count) for count in ROW_COUNTS}
+        model.castspec_row_speedups = speedups
+        limit = kernel_rows(speedups) if _free_bytes() > ROW_KERNEL_MIN_FREE else 0
+        model.castspec_row_limit = limit
+        for module in packed:
+            module.row_limit = limit
+            if not limit:
                 module.row_weight = None  # the dense copies go: oneDNN's packed kernel serves every row
     return len(linears)
 
 
-# the row kernel is kept where one row through a layer's linears was at least this much faster than oneDNN's
-ROW_KERNEL_MIN_SPEEDUP = 1.05
-# and where keeping the dense weights beside the packed ones leaves this much memory free
+# the row kernel is kept where keeping the dense weights beside the packed ones leaves this much memory free
 ROW_KERNEL_MIN_FREE = 2 << 30
 
 

@@ -1,14 +1,16 @@
-"""One token's row through a bf16 linear layer, by a kernel of our own where it streams the weights faster.
+"""A few tokens' rows through a bf16 linear layer, by a kernel of our own where it streams the weights faster.
 
-A decode step at batch 1 sends one row through every linear layer: its time is the weights' bytes over the rate
-the kernel reads them. On a 2-core AMD EPYC with AVX512-BF16 (no AMX), oneDNN's bf16 linear over pre-packed
-weights read the 1.5B target's shapes at 17-25 GB/s, where a plain AVX512-BF16 dot product over the dense
-[out, in] weight, eight output rows at a time, read them at 28-38 GB/s (bench/forward-profile/row-kernel-*). For
-two rows and more, oneDNN's packed kernel stays: it re-uses each weight block across the rows.
+A decode step sends a few rows through every linear layer (one at batch 1, one per row of a batch, a tree's nodes):
+its time is the weights' bytes over the rate the kernel reads them. On a 2-core AMD EPYC with AVX512-BF16 (no
+AMX), oneDNN's bf16 linear over pre-packed weights read the 1.5B target's shapes at 17-25 GB/s for one row, where
+a plain AVX512-BF16 dot product over the dense [out, in] weight, eight output rows at a time, read them at 28-38
+GB/s (bench/forward-profile/row-kernel-*). The kernel reads each weight block from memory once for all the rows
+it is given (`row_linear.cpp`), so a few rows cost about what one does; from some row count on oneDNN's blocked
+kernel, which re-uses each block across many rows in its matrix tiles, is faster again.
 
-The kernel (`row_linear.cpp`) is compiled once per machine with torch's extension builder (into torch's extension
-cache, ~25 s) and only on a CPU with AVX512-BF16; `CASTSPEC_ROW_KERNEL=0` turns it off. Whether it is used for a
-model is measured at load on that model's own first layer (`rows_pay`), not assumed from the CPU's name."""
+The kernel is compiled once per machine with torch's extension builder (into torch's extension cache, ~25 s) and
+only on a CPU with AVX512-BF16; `CASTSPEC_ROW_KERNEL=0` turns it off. Up to how many rows it is used for a model
+is measured at load on that model's own first layer (`rows_pay`, `kernel_rows`), not assumed from the CPU's name."""
 
 from __future__ import annotations
 
@@ -52,12 +54,29 @@ build_error: list[str] = []
 load_seconds: list[float] = []  # compiling it the first time on a machine takes ~25 s; loading it after, ~0.1 s
 
 
+# the row counts timed at load; the kernel takes every count up to the largest one that paid, and all below it
+ROW_COUNTS = (1, 2, 3, 4)
+# the kernel is kept for a row count where it was at least this much faster than oneDNN's
+MIN_SPEEDUP = 1.05
+
+
+def kernel_rows(speedups: dict[int, float], least: float = MIN_SPEEDUP) -> int:
+    """The most rows a forward may have for the kernel to take it: the largest timed count up to which every
+    timed count paid (0: none did)."""
+    limit = 0
+    for rows in sorted(speedups):
+        if speedups[rows] < least:
+            break
+        limit = rows
+    return limit
+
+
 @torch.inference_mode()  # with autograd on, oneDNN's op takes a slow path for a bias that requires grad
-def rows_pay(layers: list, rounds: int = 7) -> float:
-    """Time one row through `layers` (PrepackedLinears holding their dense weights), oneDNN's packed kernel and
-    the row kernel in turn over `rounds`; returns how many times faster the row kernel was (medians)."""
+def rows_pay(layers: list, rows: int = 1, rounds: int = 7) -> float:
+    """Time `rows` rows through `layers` (PrepackedLinears holding their dense weights), oneDNN's packed kernel
+    and the row kernel in turn over `rounds`; returns how many times faster the row kernel was (medians)."""
     kernel = row_kernel()
-    x = {layer.in_features: torch.randn(1, layer.in_features, dtype=torch.bfloat16) for layer in layers}
+    x = {layer.in_features: torch.randn(rows, layer.in_features, dtype=torch.bfloat16) for layer in layers}
     onednn, ours = [], []
     for _ in range(rounds):
         for times, run in ((onednn, lambda lay: torch.ops.mkldnn._linear_pointwise(
