@@ -223,14 +223,33 @@ def test_calibrated_utilities_fall_along_a_chain_of_confident_guesses():
     for _ in range(60):  # the target takes each next guess half the time: accepted lengths 0,0,0,0,1,1,2,3
         for accepted in (0, 0, 0, 0, 1, 1, 2, 3):
             policy.observe_tree(chain, [1, 2, 3][:accepted])
-    depth1 = policy.node_utility(one, one)
-    depth3 = policy.node_utility(one, policy.node_utility(one, depth1))
-    # about one half (recent steps weigh more, and the cycle ends on its long acceptances); three deep, its cube,
-    # where calibrating the path score (1.0 at every depth) would have said one half again
-    assert 0.45 < depth1.item() < 0.6 and abs(depth3.item() - depth1.item() ** 3) < 1e-6 and depth3.item() < 0.2
+    depth1 = policy.node_utility(one, one, 1)
+    depth3 = policy.node_utility(one, policy.node_utility(one, depth1, 2), 3)
+    # about one half at each depth (recent steps weigh more, and the cycle ends on its long acceptances); three
+    # deep, about its cube, where calibrating the path score (1.0 at every depth) would have said one half again
+    assert 0.45 < depth1.item() < 0.6 and abs(depth3.item() - depth1.item() ** 3) < 0.05 and depth3.item() < 0.2
     uncalibrated = CastPolicy(table(0.05, 0.01), auto=True)
     raw = uncalibrated.node_utility(torch.tensor([[0.5, 0.2]]), torch.tensor([[0.5]]))
     assert torch.allclose(raw, torch.tensor([[0.25, 0.1]]))  # uncalibrated: the draft score
+
+
+def test_a_copied_span_that_the_target_keeps_taking_stays_worth_drafting_deep():
+    """The same n-gram score at every depth: a first guess taken a third of the time, but once taken the span
+    goes on (copied text): deeper nodes are learnt as nearly sure, so a 12-node chain keeps most of its first
+    node's worth instead of decaying like (1/3)^12."""
+    from castspec.decode.tree import DraftTree
+
+    policy = CastPolicy(table(0.05, 0.01), auto=True, calibrate=True)
+    chain = DraftTree.from_lists(list(range(5, 17)), [-1, *range(11)], [1.0] * 12)
+    for _ in range(40):
+        for accepted in (0, 0, 12):  # two misses at depth 1, then the whole span
+            policy.observe_tree(chain, list(range(1, accepted + 1)))
+    one = torch.ones(1, 1)
+    utility = policy.node_utility(one, one, 1)
+    first = utility.item()
+    for depth in range(2, 13):
+        utility = policy.node_utility(one, utility, depth)
+    assert 0.25 < first < 0.45 and utility.item() > 0.8 * first
 
 
 def test_calibration_fit_never_inverts_the_order_of_scores():

@@ -16,8 +16,8 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from castspec.api import SUFFIX_MAX_DEPTH, Engine, calibrated_by_default, drafter_identity, make_policy
-from castspec.costs.probe import find_cost_table, online_cost_model
+from castspec.api import MODEL_FREE_MAX_DEPTH, Engine, calibrated_by_default, drafter_identity, make_policy
+from castspec.costs.probe import MODEL_FREE, find_cost_table, online_cost_model
 from castspec.costs.table import device_name, setup_key
 from castspec.decode.sampling import SamplingParams
 from castspec.drafters.base import Drafter
@@ -137,8 +137,8 @@ def policy_options(spec: MethodSpec, costs=None) -> dict:
         options["cost_table"] = costs
         options["cast_auto"] = bool(options.pop("auto", 1))
         options["cast_calibrate"] = bool(options.pop("calibrate", int(calibrated_by_default(spec.drafter))))
-        if spec.drafter == "suffix":
-            options.setdefault("cast_max_depth", SUFFIX_MAX_DEPTH)
+        if spec.drafter in MODEL_FREE:
+            options.setdefault("cast_max_depth", MODEL_FREE_MAX_DEPTH)
         options.pop("online", None)  # chooses the cost table, which the caller passed in
         if "payoff" in options:
             options["cast_payoff"] = bool(options.pop("payoff"))

@@ -119,6 +119,9 @@ class CostGrid:
     contexts: list[int]
     tokens: list[int]
     seconds: list[list[list[float]]]
+    # True where the values are non-decreasing along every axis already (the online model fits its grids so):
+    # the monotone fit below is then skipped (it was half of each rebuild of the online model's grid)
+    already_monotone: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, axis in (("batch_sizes", self.batch_sizes), ("contexts", self.contexts), ("tokens", self.tokens)):
@@ -129,7 +132,7 @@ class CostGrid:
                                                 for r in self.seconds):
             raise CastspecError(f"cost grid values do not match its axes {shape}")
         # a longer context or more tokens never costs less
-        self.monotone = [isotonic_plane(plane) for plane in self.seconds]
+        self.monotone = self.seconds if self.already_monotone else [isotonic_plane(p) for p in self.seconds]
         self._memo: dict[tuple[float, float, float], float] = {}
 
     def _at_batch(self, b: int, c: float, n: float) -> float:

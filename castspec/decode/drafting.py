@@ -71,8 +71,11 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
     flat_parents = [(b, node) for b, frontier in enumerate(frontiers) for node in frontier]
     parent_scores = torch.tensor([pools[b].scores[node] for b, node in flat_parents])[:, None]
     parent_utilities = torch.tensor([pools[b].utilities[node] for b, node in flat_parents])[:, None]
-    utilities = (policy.node_utility(probs, parent_utilities) if policy is not None else
-                 probs * parent_utilities).flatten()
+    if policy is not None:
+        depths = torch.tensor([pools[b].depths[node] + 1 for b, node in flat_parents])[:, None]
+        utilities = policy.node_utility(probs, parent_utilities, depths).flatten()
+    else:
+        utilities = (probs * parent_utilities).flatten()
     scores = (probs * parent_scores).flatten()
     row_of = torch.tensor([b for b, _ in flat_parents], dtype=torch.long).repeat_interleave(k)
     real = (probs.flatten() > 0).nonzero().flatten()

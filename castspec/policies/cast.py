@@ -36,9 +36,56 @@ def select_max_valid_index(utilities: list[float], costs: list[float], threshold
     return anchor
 
 
+class _ScoreBins:
+    """P(accepted | score) for one depth band: binned counts that start at `prior` pseudo-observations at each
+    bin's centre, decay towards them, and are fitted non-decreasing in the score."""
+
+    def __init__(self, edges: tuple[float, ...], prior: float, decay: float) -> None:
+        self.edges, self.prior, self.decay = edges, prior, decay
+        self.centres = [(lo + hi) / 2 for lo, hi in pairwise(edges)]
+        self.accepted = [prior * c for c in self.centres]
+        self.seen = [prior] * len(self.centres)
+        self.rates = list(self.centres)
+        self._fit()
+
+    def fade(self) -> None:
+        d, prior = self.decay, self.prior
+        self.accepted = [d * a + (1 - d) * prior * c for a, c in zip(self.accepted, self.centres, strict=True)]
+        self.seen = [d * n + (1 - d) * prior for n in self.seen]
+
+    def add(self, score: float, ok: bool) -> None:
+        i = bisect.bisect_right(self.edges, score, 1, len(self.edges) - 1) - 1
+        self.seen[i] += 1
+        self.accepted[i] += float(ok)
+
+    def has_evidence(self) -> bool:
+        return sum(self.seen) - self.prior * len(self.seen) > 1e-6
+
+    def refit(self) -> None:
+        rates = [a / n if n > 0 else c for a, n, c in zip(self.accepted, self.seen, self.centres, strict=True)]
+        # the fit weighs each bin by its own evidence (what it saw beyond its prior), so that the priors of bins
+        # that saw nothing do not pool an observed bin towards their centres: 70 of 70 suffix nodes scored 0.47
+        # taken read 0.92 when 9 unseen bins above it with 4 pseudo-observations each joined its pool
+        evidence = [max(n - self.prior, 0.0) + AcceptanceCalibration.UNSEEN_WEIGHT for n in self.seen]
+        self.rates = isotonic(rates, evidence)
+        self._fit()
+
+    def _fit(self) -> None:
+        self._xs = torch.tensor([0.0, *self.centres, 1.0], dtype=torch.float64)
+        self._ys = torch.tensor([0.0, *self.rates, self.rates[-1]], dtype=torch.float64)
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        """Calibrated scores ([N] float64 in [0, 1]): piecewise-linear through the bin centres."""
+        xs, ys = self._xs, self._ys
+        right = torch.bucketize(flat, xs[1:-1]).clamp(max=len(xs) - 2) + 1
+        left = right - 1
+        weight = (flat - xs[left]) / (xs[right] - xs[left])
+        return ys[left] + weight * (ys[right] - ys[left])
+
+
 class AcceptanceCalibration:
     """P(the target accepts a drafted node | it accepted the node's parent), as a function of the node's draft
-    probability given its parent, learned from the trees verified so far.
+    probability given its parent and of its depth, learned from the trees verified so far.
 
     CAST's utilities assume that draft probabilities are acceptance chances, so that a node's score (their product
     along its path) is the chance the target accepts it. A drafter can be far off: an n-gram index that saw a
@@ -46,47 +93,57 @@ class AcceptanceCalibration:
     binned; each bin starts with `prior` pseudo-observations at its own centre (so an unobserved drafter is taken
     at its word), counts decay by `decay` per step so the map follows the text, and the per-bin rates are fitted
     non-decreasing (isotonic regression weighted by each bin's own evidence) so that a likelier child never maps
-    below a less likely one. A node's utility is then the product of calibrated probabilities along its path
+    below a less likely one. Each depth band (`DEPTHS`: 1, 2-3, 4-7, 8 and deeper) has bins of its own: a copied
+    span that the target has followed for a few tokens goes on far more surely than a first guess does (an n-gram
+    or suffix match says the same score at every depth, but whether its first token is taken is a coin toss while
+    its tenth, given the nine before it, is nearly sure), and one map for all depths made every deep node as
+    doubtful as a first one. A node's utility is then the product of calibrated probabilities along its path
     (`CastPolicy.node_utility`), which keeps every child below its parent."""
 
     EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97, 1.0)
+    DEPTHS = (1, 2, 4, 8)  # the first depth of each band
     UNSEEN_WEIGHT = 1e-3  # a bin with no evidence of its own yields to any bin that has some
 
     def __init__(self, prior: float = 4.0, decay: float = 0.99) -> None:
-        self.centres = [(lo + hi) / 2 for lo, hi in pairwise(self.EDGES)]
         self.prior, self.decay = prior, decay
-        self.accepted = [prior * c for c in self.centres]
-        self.seen = [prior] * len(self.centres)
-        self.rates = list(self.centres)
+        self.bands = [_ScoreBins(self.EDGES, prior, decay) for _ in self.DEPTHS]
 
-    def observe(self, scores: list[float], accepted: list[bool]) -> None:
-        """One step: every verified drafted node's score and whether the target accepted it (none on an AR
-        step). Old evidence fades towards the prior, so a drafter judged poor is tried again after a while
-        instead of never being verified (and so never re-judged) again."""
-        d, prior = self.decay, self.prior
-        self.accepted = [d * a + (1 - d) * prior * c for a, c in zip(self.accepted, self.centres, strict=True)]
-        self.seen = [d * n + (1 - d) * prior for n in self.seen]
-        for score, ok in zip(scores, accepted, strict=True):
-            i = bisect.bisect_right(self.EDGES, score, 1, len(self.EDGES) - 1) - 1
-            self.seen[i] += 1
-            self.accepted[i] += float(ok)
-        rates = [a / n if n > 0 else c for a, n, c in zip(self.accepted, self.seen, self.centres, strict=True)]
-        # the fit weighs each bin by its own evidence (what it saw beyond its prior), so that the priors of bins
-        # that saw nothing do not pool an observed bin towards their centres: 70 of 70 suffix nodes scored 0.47
-        # taken read 0.92 when 9 unseen bins above it with 4 pseudo-observations each joined its pool
-        evidence = [max(n - self.prior, 0.0) + self.UNSEEN_WEIGHT for n in self.seen]
-        self.rates = isotonic(rates, evidence)
+    def band(self, depth: int) -> int:
+        return max(0, bisect.bisect_right(self.DEPTHS, depth) - 1)
 
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        """Calibrated scores: piecewise-linear through the bin centres (0 stays 0: padding)."""
-        xs = torch.tensor([0.0, *self.centres, 1.0], dtype=torch.float64)
-        ys = torch.tensor([0.0, *self.rates, self.rates[-1]], dtype=torch.float64)
-        flat = scores.double().clamp(0, 1).flatten()
-        right = torch.bucketize(flat, xs[1:-1]).clamp(max=len(xs) - 2) + 1
-        left = right - 1
-        weight = (flat - xs[left]) / (xs[right] - xs[left])
-        out = ys[left] + weight * (ys[right] - ys[left])
-        return torch.where(flat > 0, out, 0.0).reshape(scores.shape).to(scores.dtype)
+    @property
+    def rates(self) -> list[float]:
+        """The first-guess (depth 1) map's rates per bin."""
+        return self.bands[0].rates
+
+    def observe(self, scores: list[float], accepted: list[bool], depths: list[int] | None = None) -> None:
+        """One step: every verified drafted node's score, whether the target accepted it and its depth (1 where
+        not given; none on an AR step). Old evidence fades towards the prior, so a drafter judged poor is tried
+        again after a while instead of never being verified (and so never re-judged) again."""
+        for bins in self.bands:
+            bins.fade()
+        touched = set()
+        for score, ok, depth in zip(scores, accepted, depths or [1] * len(scores), strict=True):
+            band = self.band(depth)
+            self.bands[band].add(score, ok)
+            touched.add(band)
+        for band, bins in enumerate(self.bands):
+            if band in touched or bins.has_evidence():  # a band with evidence fades even when untouched
+                bins.refit()
+
+    def __call__(self, scores: torch.Tensor, depths: torch.Tensor | int = 1) -> torch.Tensor:
+        """Calibrated scores (0 stays 0: padding); `depths`: the nodes' depth, one per row of `scores` ([F, 1])
+        or one for all."""
+        flat = scores.double().clamp(0, 1)
+        if isinstance(depths, int):
+            out = self.bands[self.band(depths)](flat.flatten()).reshape(flat.shape)
+        else:
+            bands = torch.tensor([self.band(d) for d in depths.flatten().tolist()])
+            out = torch.empty_like(flat)
+            for band in bands.unique().tolist():
+                rows = bands == band
+                out[rows] = self.bands[band](flat[rows].flatten()).reshape(flat[rows].shape)
+        return torch.where(flat > 0, out, 0.0).to(scores.dtype)
 
 
 class DraftingPayoff:
@@ -204,17 +261,19 @@ class CastPolicy(Policy):
         if self.calibration is None:
             return
         kept = {0, *path}
-        scores, parents = tree.scores.tolist(), tree.parents.tolist()
+        scores, parents, depths = tree.scores.tolist(), tree.parents.tolist(), tree.depths.tolist()
         nodes = [i for i in range(1, len(tree)) if parents[i] in kept]
         self.calibration.observe([scores[i] / scores[parents[i]] if scores[parents[i]] > 0 else 0.0 for i in nodes],
-                                 [i in kept for i in nodes])
+                                 [i in kept for i in nodes], [depths[i] for i in nodes])
 
-    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor) -> torch.Tensor:
-        """Calibrated: the parent's utility times the learnt chance that the target takes this child once it has
-        taken the parent; a chain of confident n-gram guesses then loses worth with every step, as it does."""
+    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor,
+                     depths: torch.Tensor | int = 1) -> torch.Tensor:
+        """Calibrated: the parent's utility times the learnt chance that the target takes this child (at its
+        depth) once it has taken the parent; a chain of confident n-gram guesses then loses worth with every step
+        as the target's choices say it does, and a copied span that the target keeps taking stays worth drafting."""
         if self.calibration is None:
-            return super().node_utility(probs, parent_utility)
-        return self.calibration(probs).to(parent_utility.dtype) * parent_utility
+            return super().node_utility(probs, parent_utility, depths)
+        return self.calibration(probs, depths).to(parent_utility.dtype) * parent_utility
 
     # ---- decisions ----------------------------------------------------------------------------------------
 
