@@ -252,6 +252,17 @@ def test_a_copied_span_that_the_target_keeps_taking_stays_worth_drafting_deep():
     assert 0.25 < first < 0.45 and utility.item() > 0.8 * first
 
 
+def test_a_depth_band_that_saw_nothing_reads_like_the_band_above_it():
+    from castspec.policies.cast import AcceptanceCalibration
+
+    calibration = AcceptanceCalibration()
+    for _ in range(20):  # first guesses only, all taken
+        calibration.observe([0.469] * 3, [True] * 3, [1, 1, 1])
+    scores = torch.tensor([0.469, 0.9])
+    first, deep = calibration(scores, 1), calibration(scores, 9)
+    assert first[0].item() > 0.9 and torch.allclose(deep, first, atol=0.02)
+
+
 def test_calibration_fit_never_inverts_the_order_of_scores():
     from castspec.policies.cast import AcceptanceCalibration
 

@@ -37,37 +37,34 @@ def select_max_valid_index(utilities: list[float], costs: list[float], threshold
 
 
 class _ScoreBins:
-    """P(accepted | score) for one depth band: binned counts that start at `prior` pseudo-observations at each
-    bin's centre, decay towards them, and are fitted non-decreasing in the score."""
+    """P(accepted | score) for one depth band: binned, decaying counts of what the target did, over `prior`
+    pseudo-observations at the prior's rate per bin (the bin centres, or the shallower band's fitted rates), fitted
+    non-decreasing in the score."""
 
     def __init__(self, edges: tuple[float, ...], prior: float, decay: float) -> None:
         self.edges, self.prior, self.decay = edges, prior, decay
         self.centres = [(lo + hi) / 2 for lo, hi in pairwise(edges)]
-        self.accepted = [prior * c for c in self.centres]
-        self.seen = [prior] * len(self.centres)
+        self.accepted = [0.0] * len(self.centres)  # what was seen, decayed (the prior is added at each fit)
+        self.seen = [0.0] * len(self.centres)
         self.rates = list(self.centres)
         self._fit()
 
     def fade(self) -> None:
-        d, prior = self.decay, self.prior
-        self.accepted = [d * a + (1 - d) * prior * c for a, c in zip(self.accepted, self.centres, strict=True)]
-        self.seen = [d * n + (1 - d) * prior for n in self.seen]
+        self.accepted = [self.decay * a for a in self.accepted]
+        self.seen = [self.decay * n for n in self.seen]
 
     def add(self, score: float, ok: bool) -> None:
         i = bisect.bisect_right(self.edges, score, 1, len(self.edges) - 1) - 1
         self.seen[i] += 1
         self.accepted[i] += float(ok)
 
-    def has_evidence(self) -> bool:
-        return sum(self.seen) - self.prior * len(self.seen) > 1e-6
-
-    def refit(self) -> None:
-        rates = [a / n if n > 0 else c for a, n, c in zip(self.accepted, self.seen, self.centres, strict=True)]
-        # the fit weighs each bin by its own evidence (what it saw beyond its prior), so that the priors of bins
-        # that saw nothing do not pool an observed bin towards their centres: 70 of 70 suffix nodes scored 0.47
-        # taken read 0.92 when 9 unseen bins above it with 4 pseudo-observations each joined its pool
-        evidence = [max(n - self.prior, 0.0) + AcceptanceCalibration.UNSEEN_WEIGHT for n in self.seen]
-        self.rates = isotonic(rates, evidence)
+    def refit(self, prior_rates: list[float]) -> None:
+        rates = [(a + self.prior * r) / (n + self.prior) if n + self.prior > 0 else r
+                 for a, n, r in zip(self.accepted, self.seen, prior_rates, strict=True)]
+        # the fit weighs each bin by its own evidence, so that the priors of bins that saw nothing do not pool an
+        # observed bin towards their centres: 70 of 70 suffix nodes scored 0.47 taken read 0.92 when 9 unseen
+        # bins above it with 4 pseudo-observations each joined its pool
+        self.rates = isotonic(rates, [n + AcceptanceCalibration.UNSEEN_WEIGHT for n in self.seen])
         self._fit()
 
     def _fit(self) -> None:
@@ -97,7 +94,9 @@ class AcceptanceCalibration:
     span that the target has followed for a few tokens goes on far more surely than a first guess does (an n-gram
     or suffix match says the same score at every depth, but whether its first token is taken is a coin toss while
     its tenth, given the nine before it, is nearly sure), and one map for all depths made every deep node as
-    doubtful as a first one. A node's utility is then the product of calibrated probabilities along its path
+    doubtful as a first one. A band's prior is the band above it (the drafter's word only for depth 1), so a
+    deep band that has seen little reads like the shallower one instead of starting from the drafter's word again.
+    A node's utility is then the product of calibrated probabilities along its path
     (`CastPolicy.node_utility`), which keeps every child below its parent."""
 
     EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97, 1.0)
@@ -122,14 +121,12 @@ class AcceptanceCalibration:
         again after a while instead of never being verified (and so never re-judged) again."""
         for bins in self.bands:
             bins.fade()
-        touched = set()
         for score, ok, depth in zip(scores, accepted, depths or [1] * len(scores), strict=True):
-            band = self.band(depth)
-            self.bands[band].add(score, ok)
-            touched.add(band)
-        for band, bins in enumerate(self.bands):
-            if band in touched or bins.has_evidence():  # a band with evidence fades even when untouched
-                bins.refit()
+            self.bands[self.band(depth)].add(score, ok)
+        prior_rates = self.bands[0].centres
+        for bins in self.bands:
+            bins.refit(prior_rates)
+            prior_rates = bins.rates
 
     def __call__(self, scores: torch.Tensor, depths: torch.Tensor | int = 1) -> torch.Tensor:
         """Calibrated scores (0 stays 0: padding); `depths`: the nodes' depth, one per row of `scores` ([F, 1])
