@@ -2,6 +2,7 @@
 
 import pytest
 
+from castspec.api import MODEL_FREE_MAX_DEPTH
 from castspec.bench.runner import drafter_options, parse_methods, policy_options
 from castspec.errors import CastspecError
 
@@ -22,7 +23,8 @@ def test_ngram_sizes_go_to_the_drafter_and_the_rest_to_the_policy():
     (merged,) = parse_methods("cast:head+ngram:min_n=1,auto=0")
     assert merged.drafter == "head+ngram" and drafter_options(merged) == {"min_n": 1}
     (cast,) = parse_methods("cast:ngram:min_n=1,auto=0")
-    assert policy_options(cast, costs="table") == {"cost_table": "table", "cast_auto": False, "cast_calibrate": True}
+    assert policy_options(cast, costs="table") == {"cost_table": "table", "cast_auto": False, "cast_calibrate": True,
+                                                   "cast_max_depth": MODEL_FREE_MAX_DEPTH}  # 24 deep over n-gram
 
 
 @pytest.mark.parametrize(("text", "says"), [
