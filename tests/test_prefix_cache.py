@@ -5,6 +5,8 @@ batch, and a seeded sample unchanged by a hit."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from synthetic import flat_costs
@@ -13,6 +15,7 @@ from test_exactness import PROMPTS
 from test_stepping import run_schedule
 
 from castspec import Engine
+from castspec.costs.prefill import FIRST_TOKENS
 from castspec.decode.engine import RequestParams, StepEngine
 from castspec.decode.prefix_cache import PrefixCache
 from castspec.drafters.draft_model import DraftModelDrafter
@@ -134,25 +137,49 @@ def test_speculative_and_plain_requests_read_each_others_cached_prefixes(smollm,
     assert cache.hits - hits >= len(again) // 16 * 16 - 32
 
 
+def join_while_running(stepper: StepEngine, smollm_reference, schedule: dict) -> list[list[tuple[str, int]]]:
+    """Run `schedule` (the first request running, the others joining by chunks), check every answer against HF
+    greedy, and return each step's (kind, prompt tokens) records."""
+    steps = []
+    got = run_schedule(stepper, schedule, {}, check=lambda e: steps.append(
+        [(i.kind, i.prompt_tokens) for i in e.step_infos]))
+    for request_id, ids, n in (r for batch in schedule.values() for r in batch):
+        assert got[request_id] == smollm_reference(tuple(ids), n), request_id
+    return steps
+
+
+def carried_chunks(steps: list[list[tuple[str, int]]]) -> list[int]:
+    return [tokens for step in steps for kind, tokens in step if kind == "decode" and tokens]
+
+
 @pytest.mark.parametrize("method", ["ar", "cast-ngram", "cast-draft", "eagle2-head"])
 def test_prompts_joining_by_chunks_decode_as_alone_and_the_running_rows_go_on(smollm, smollm_reference, random_head,
                                                                                 method):
     model, tokenizer = smollm
     engine = dict(engines(model, tokenizer, random_head))[method]
-    stepper = engine.stepper(max_batch_size=3, prefill_chunk=8)
     prompts = [engine.encode(prompt=p) for p in (PROMPTS[0], LONG, PROMPTS[3], PROMPTS[11])]
-    schedule = {0: [("a", prompts[0], 60)], 2: [("long", prompts[1], 12)], 4: [("c", prompts[2], 10),
-                                                                             ("d", prompts[3], 10)]}
-    steps = []
-    got = run_schedule(stepper, schedule, {}, check=lambda e: steps.append(
-        [(i.kind, i.prompt_tokens) for i in e.step_infos]))
-    for request_id, ids, n in (r for batch in schedule.values() for r in batch):
-        assert got[request_id] == smollm_reference(tuple(ids), n), (method, request_id)
+    steps = join_while_running(engine.stepper(max_batch_size=3, prefill_chunk=8), smollm_reference, {
+        0: [("a", prompts[0], 60)], 2: [("long", prompts[1], 12)], 4: [("c", prompts[2], 10), ("d", prompts[3], 10)]})
     # the long prompt took several chunks while "a" ran, each inside a decode step of the running rows (one
     # forward), never a forward of its own while rows were running, and never more than the chunk
-    carried = [tokens for step in steps for kind, tokens in step if kind == "decode" and tokens]
+    carried = carried_chunks(steps)
     assert len(carried) >= 3 and max(carried) <= 8
     assert all(sum(kind in ("decode", "prefill_chunk") for kind, _ in step) <= 1 for step in steps)  # one forward
+
+
+@pytest.mark.parametrize("method", ["ar", "cast-ngram"])
+def test_chunks_sized_by_time_decode_as_alone_and_grow_at_most_twofold(smollm, smollm_reference, random_head,
+                                                                       method):
+    model, tokenizer = smollm
+    engine = dict(engines(model, tokenizer, random_head))[method]
+    stepper = engine.stepper(max_batch_size=3, prefill_chunk="auto")
+    assert stepper.prefill_chunk.tokens == FIRST_TOKENS
+    prompts = [engine.encode(prompt=p) for p in (PROMPTS[0], LONG, PROMPTS[3])]
+    carried = carried_chunks(join_while_running(stepper, smollm_reference, {
+        0: [("a", prompts[0], 60)], 3: [("long", prompts[1], 12)], 5: [("c", prompts[2], 10)]}))
+    assert carried[0] == FIRST_TOKENS and len(carried) >= 2
+    assert all(later <= 2 * earlier for earlier, later in itertools.pairwise(carried))
+    assert stepper.prefill_chunk.token_s is not None  # it priced the carried tokens from the steps' times
 
 
 def test_an_aborted_half_prefilled_request_leaves_and_the_others_go_on(smollm, smollm_reference):

@@ -8,7 +8,8 @@ token). The prefix
 cache is off, so the long prompt is prefilled in full every time. Writes NAME.json, NAME.md, NAME.png.
 
 Run: .venv/bin/python bench/scripts/chunked_prefill_itl.py bench/prefix-cache/NAME
-     [--servers ar:0,ar:64,ar:128,cast-ngram:128] (METHOD:CHUNK, 0 = a whole prompt at once) [--repeats 2]
+     [--servers ar:0,ar:64,ar:auto,cast-ngram:auto] (METHOD:CHUNK, 0 = a whole prompt at once, auto = sized by
+     time, the server's default) [--repeats 2]
      [--model qwen2.5-coder-1.5b]"""
 
 from __future__ import annotations
@@ -119,12 +120,12 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve(args.model))
     runners = [m["messages"][-1]["content"] for m in load_prompt_set("mtbench")[:2]]
-    plans = [(item.split(":")[0], int(item.split(":")[1])) for item in args.servers.split(",")]
+    plans = [(method, chunk) for method, chunk in (item.split(":") for item in args.servers.split(","))]
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         servers = []
         for i, (method, chunk) in enumerate(plans):
-            flags = [*METHODS[method], "--prefill-chunk", str(chunk), "--prefix-cache-gb", "0",
+            flags = [*METHODS[method], "--prefill-chunk", chunk, "--prefix-cache-gb", "0",
                      "--served-model-name", "m"]
             log(f"starting castspec serve {' '.join(flags)}")
             servers.append((f"{method} chunk={chunk}", stack.enter_context(

@@ -48,8 +48,9 @@ ITEM_DRAFTERS = ("draft", "ngram", "suffix", "head", "draft+ngram", "head+ngram"
 # one tree over the earlier prompts' outputs) wherever a suffix tree does
 DRAFTER_OPTIONS = {d: ("max_n", "min_n") if d.endswith("ngram") else ("depth", "shared")
                    for d in ITEM_DRAFTERS if d.endswith(("ngram", "suffix"))}
-# what a server runs besides its method (castspec serve's --prefix-cache-gb, --prefill-chunk): bench-serve only
-SERVER_OPTIONS = ("prefix_cache_gb", "prefill_chunk")
+# what a server runs besides its method (castspec serve's --prefix-cache-gb, --prefill-chunk, --prefill-slack):
+# bench-serve only
+SERVER_OPTIONS = ("prefix_cache_gb", "prefill_chunk", "prefill_slack")
 
 
 def _parse_item(item: str) -> MethodSpec:

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from castspec.cli.options import engine_args, engine_options, load_engine, policy_args
+from castspec.costs.prefill import PREFILL_SLACK
 from castspec.errors import CastspecError
 
 PREFIX_CACHE_GB = 2.0
-PREFILL_CHUNK = 256  # bench/prefix-cache and bench/conversations: the trade between running ITL and newcomer TTFT
+PREFILL_CHUNK = "auto"  # a chunk sized by time: a fixed count is right on one CPU only (bench/prefix-cache)
+
+
+def prefill_chunk(text: str) -> int | str:
+    """--prefill-chunk's value: 'auto' or a number of tokens >= 0."""
+    if text == "auto":
+        return text
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise argparse.ArgumentTypeError(f"a number of tokens >= 0 or 'auto', got {text!r}")
+    return tokens
 
 
 def register(sub) -> None:
@@ -22,10 +37,15 @@ def register(sub) -> None:
     serve.add_argument("--prefix-cache-gb", type=float, default=PREFIX_CACHE_GB,
                        help="GiB of earlier requests' KV kept so that prompts sharing a prefix with them (later "
                             f"turns of a conversation) prefill only the rest; 0: off (default {PREFIX_CACHE_GB:g})")
-    serve.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+    serve.add_argument("--prefill-chunk", type=prefill_chunk, default=PREFILL_CHUNK,
                        help="prompt tokens prefilled per step while other requests decode, so that a long prompt "
-                            f"joining delays them by a chunk per step; 0: a whole prompt at once (default "
-                            f"{PREFILL_CHUNK})")
+                            "joining delays them by a chunk per step; 'auto': as many as keep such a step within "
+                            "--prefill-slack decode steps, learnt from the steps' times; 0: a whole prompt at once "
+                            f"(default {PREFILL_CHUNK})")
+    serve.add_argument("--prefill-slack", type=float, default=PREFILL_SLACK,
+                       help="with --prefill-chunk auto: how many decode steps' time a step carrying prompt tokens "
+                            "may take, i.e. the running requests' worst gap between tokens "
+                            f"(default {PREFILL_SLACK:g})")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
     policy_args(serve)
     ray_group = serve.add_argument_group("scale out on Ray Serve (pip install 'castspec[ray]'; docs/ray-serve.md)")
@@ -56,20 +76,25 @@ def run_serve(args) -> None:
     for name in ("max_batch_size", "max_waiting"):
         if getattr(args, name) < 1:
             raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.prefix_cache_gb < 0 or args.prefill_chunk < 0:
-        raise CastspecError(f"--prefix-cache-gb and --prefill-chunk must be >= 0 (0: off), got "
-                            f"{args.prefix_cache_gb:g} and {args.prefill_chunk}")
+    if args.prefix_cache_gb < 0:
+        raise CastspecError(f"--prefix-cache-gb must be >= 0 (0: off), got {args.prefix_cache_gb:g}")
+    if not args.prefill_slack > 1:
+        raise CastspecError(f"--prefill-slack must be above 1 (decode steps), got {args.prefill_slack:g}")
     if not 0 < args.port < 65536:
         raise CastspecError(f"--port must be in 1..65535, got {args.port}")
     name = args.served_model_name or args.model
     if args.replicas is not None or args.ray_address is not None:
         return _serve_on_ray(args, name)
     engine = load_engine(args)
-    stepper = engine.stepper(args.max_batch_size, args.max_waiting, args.prefix_cache_gb, args.prefill_chunk or None)
+    stepper = engine.stepper(args.max_batch_size, args.max_waiting, args.prefix_cache_gb, args.prefill_chunk or None,
+                             args.prefill_slack)
     loop = EngineLoop(stepper, ServerMetrics(name), args.trace)
     server = Server(loop, engine.tokenizer, name, engine.target.max_positions, args.max_waiting)
+    joining = {"auto": f"by chunks sized by time (<= {args.prefill_slack:g} decode steps)", 0: "whole"}.get(
+        args.prefill_chunk, f"by chunks of {args.prefill_chunk} tokens")
     print(f"castspec: serving {name!r} on http://{args.host}:{args.port}/v1; {engine.choice}"
-          + (f" ({engine.policy.describe()})" if engine.policy else ""), file=sys.stderr, flush=True)
+          + (f" ({engine.policy.describe()})" if engine.policy else "") + f"; prompts join {joining}",
+          file=sys.stderr, flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
 
 
@@ -81,7 +106,8 @@ def _serve_on_ray(args, name: str) -> None:
                             f"{args.replica_cpus}")
     config = ReplicaConfig(engine_options(args), name, args.max_batch_size, args.max_waiting,
                            threads=max(1, int(args.replica_cpus)), trace=args.trace,
-                           prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None)
+                           prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None,
+                           prefill_slack=args.prefill_slack)
     replicas = 1 if args.replicas is None else args.replicas  # --ray-address alone: one replica on the cluster
     scale = ScaleConfig(replicas, args.replica_cpus, args.replica_gpus, args.max_ongoing_requests, args.min_replicas,
                         args.max_replicas, args.target_ongoing_requests)

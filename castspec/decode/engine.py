@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from castspec.costs.online import OnlineCostTable
+from castspec.costs.prefill import PrefillBudget
 from castspec.decode.constraints import Constraint, Grammar, GrammarCompiler, GrammarError
 from castspec.decode.drafting import DraftRecord, grow_trees
 from castspec.decode.prefix_cache import PrefixCache
@@ -207,16 +208,17 @@ class StepEngine:
     def __init__(self, target: Target, drafter: Drafter | None = None, policy: Policy | None = None,
                  tokenizer=None, eos_ids: set[int] | None = None, max_batch_size: int = 8,
                  max_waiting: int | None = None, prefix_cache: PrefixCache | None = None,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | PrefillBudget | None = None) -> None:
         if (drafter is None) != (policy is None):
             raise CastspecError("a drafter and a policy go together: give both (speculative) or neither (AR)")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise CastspecError(f"max batch size must be a positive integer, got {max_batch_size!r}")
         self.target, self.drafter, self.policy = target, drafter, policy
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids or ())
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise CastspecError(f"the prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
+        if not isinstance(prefill_chunk, PrefillBudget | None) and (
+                isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise CastspecError(f"the prefill chunk must be a positive number of tokens or a PrefillBudget, got "
+                                f"{prefill_chunk!r}")
         self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
         self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
         self.layers = drafter.feature_layers if drafter is not None else ()
@@ -332,7 +334,8 @@ class StepEngine:
     # -- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests while there is room, then one forward: a speculative step over the running
-        rows that also prefills the joining prompts' next tokens (at most `prefill_chunk` of them; None: all),
+        rows that also prefills the joining prompts' next tokens (at most `prefill_chunk` of them, or what its
+        PrefillBudget allows; None: all),
         or, with nobody running, the joining prompts whole. Prompts prefilled to the end join the batch with
         their first token, so a long prompt delays the running rows by the cost of its chunk's tokens, never by
         a forward of its own."""
@@ -487,10 +490,11 @@ class StepEngine:
         t1 = _clock(target.device)
         lap("draft")
         # the joining prompts' next tokens ride in the same forward (the weights are read once for both)
+        chunk = self.prefill_chunk.tokens if isinstance(self.prefill_chunk, PrefillBudget) else self.prefill_chunk
         prompt_tokens = sum(p.left for p in self.prefills)
-        if self.prefill_chunk is not None:
-            prompt_tokens = min(prompt_tokens, self.prefill_chunk)
-        logits, verified_features = target.forward(trees, self.prefills, self.prefill_chunk, self.layers)
+        if chunk is not None:
+            prompt_tokens = min(prompt_tokens, chunk)
+        logits, verified_features = target.forward(trees, self.prefills, chunk, self.layers)
         lap("verify")
         results = [accept(tree, logits[i][: len(tree)], s.sampling, s.generator, s.constraint)
                    for i, (s, tree) in enumerate(zip(rows, trees, strict=True))]
@@ -523,6 +527,8 @@ class StepEngine:
             policy.observe(sum(emitted) / len(rows), t2 - t0)
         if self.learner is not None and not prompt_tokens:
             self._learn(ctx, max(len(t) for t in trees), record, t1 - t0, t2 - t1)
+        if isinstance(self.prefill_chunk, PrefillBudget):
+            self.prefill_chunk.observe(t2 - t0, prompt_tokens)
         lap("policy")
         kept = [[0, *results[i][0]] for i in going]
         tails = None

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from castspec.costs.prefill import PREFILL_SLACK
 from castspec.errors import CastspecError
 
 try:
@@ -56,7 +57,8 @@ class ReplicaConfig:
     threads: int = 1  # torch threads per replica
     trace: str | None = None  # each replica writes STEM.<replica id>.jsonl beside it
     prefix_cache_gb: float = 0.0  # each replica keeps its own
-    prefill_chunk: int | None = None
+    prefill_chunk: int | str | None = None  # tokens, "auto" (sized by time) or None (a prompt at once)
+    prefill_slack: float = PREFILL_SLACK
 
 
 @dataclass
@@ -193,7 +195,7 @@ class CastspecReplica:
         engine = await asyncio.to_thread(Engine.load, **config.engine)
         name = config.served_model_name
         stepper = engine.stepper(config.max_batch_size, config.max_waiting, config.prefix_cache_gb,
-                                 config.prefill_chunk)
+                                 config.prefill_chunk, config.prefill_slack)
         loop = EngineLoop(stepper, ServerMetrics(name),
                           _replica_trace(config.trace, self.replica))
         self.server = Server(loop, engine.tokenizer, name, engine.target.max_positions, config.max_waiting)

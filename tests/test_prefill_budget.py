@@ -1,0 +1,91 @@
+"""The time budget for prompt tokens in a decode step (chunked prefill sized by measured step times): pure logic,
+driven by synthetic step-time curves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from castspec.cli import main
+from castspec.cli.serve import prefill_chunk
+from castspec.costs.prefill import FIRST_TOKENS, PrefillBudget
+from castspec.errors import CastspecError
+
+
+def settle(budget: PrefillBudget, step_s, steps: int = 40, noise: float = 0.0, seed: int = 0) -> list[int]:
+    """Alternate decode steps alone and carrying steps, as a prompt joining a running batch does; returns the
+    budget after each carrying step."""
+    rng, seen = random.Random(seed), []
+    for _ in range(steps):
+        budget.observe(step_s(0) * (1 + rng.uniform(-noise, noise)), 0)
+        tokens = budget.tokens
+        budget.observe(step_s(tokens) * (1 + rng.uniform(-noise, noise)), tokens)
+        seen.append(budget.tokens)
+    return seen
+
+
+@pytest.mark.parametrize("decode_s, token_s", [(0.30, 0.0038), (0.15, 0.009), (0.02, 0.0001)])
+def test_a_linear_machine_gets_the_chunk_that_spends_the_slack(decode_s, token_s):
+    budget = PrefillBudget(slack=1.75)
+    assert budget.tokens == FIRST_TOKENS  # nothing measured yet
+    seen = settle(budget, lambda k: decode_s + token_s * k)
+    fits = 0.75 * decode_s / token_s
+    assert abs(seen[-1] - fits) <= max(1.0, 0.02 * fits)
+    assert decode_s + token_s * seen[-1] <= 1.75 * decode_s * 1.01
+
+
+def test_tokens_that_ride_free_on_the_weights_read_are_taken_until_compute_costs_the_slack():
+    # a bandwidth-bound step: the first 32 tokens cost nothing more, then 4 ms each
+    budget = PrefillBudget(slack=2.0)
+    seen = settle(budget, lambda k: 0.2 + 0.004 * max(k - 32, 0), steps=60)
+    assert 0.2 + 0.004 * max(seen[-1] - 32, 0) <= 2.0 * 0.2 * 1.05
+    assert seen[-1] >= 70  # (50 beyond the free 32 would spend it all)
+
+
+def test_a_stall_moves_the_budget_by_a_factor_of_two_at_most_and_is_forgotten():
+    budget = PrefillBudget(slack=1.75)
+    seen = settle(budget, lambda k: 0.3 + 0.004 * k)
+    budget.observe(100.0, budget.tokens)  # a stall (another process took the cores)
+    assert budget.tokens >= seen[-1] // 2
+    assert settle(budget, lambda k: 0.3 + 0.004 * k, steps=3)[-1] == seen[-1]
+
+
+def test_the_budget_never_drops_below_one_token_and_tokens_always_cost_something():
+    budget = PrefillBudget()
+    for _ in range(20):
+        budget.observe(0.1, 0)
+        budget.observe(100.0, budget.tokens)
+    assert budget.tokens == 1
+    for _ in range(20):
+        budget.observe(0.1, 0)
+        budget.observe(0.1, budget.tokens)  # as fast as a decode step alone: a thousandth of one a token
+    assert budget.tokens == 750
+
+
+def test_noisy_steps_keep_the_carrying_step_near_the_slack():
+    budget = PrefillBudget(slack=1.75)
+    seen = settle(budget, lambda k: 0.3 + 0.004 * k, steps=200, noise=0.15, seed=3)
+    tail = seen[100:]
+    assert 0.5 * 56 <= sum(tail) / len(tail) <= 1.5 * 56  # 0.75 * 0.3 / 0.004 = 56
+
+
+def test_nothing_is_learnt_before_a_decode_step_alone_was_timed():
+    budget = PrefillBudget()
+    budget.observe(1.0, 16)
+    assert budget.token_s is None and budget.tokens == FIRST_TOKENS
+    assert "nothing measured yet" in budget.describe()
+
+
+@pytest.mark.parametrize("slack", [1.0, 0.5, True, "2"])
+def test_a_slack_that_leaves_no_room_for_prompt_tokens_is_refused(slack):
+    with pytest.raises(CastspecError, match="slack"):
+        PrefillBudget(slack)
+
+
+def test_serve_refuses_a_prefill_chunk_that_is_neither_a_count_nor_auto(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "smollm2-135m", "--prefill-chunk", "soon"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "a number of tokens >= 0 or 'auto', got 'soon'" in err
+    assert [prefill_chunk(text) for text in ("auto", "0", "64")] == ["auto", 0, 64]
