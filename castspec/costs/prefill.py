@@ -13,7 +13,7 @@ from collections import deque
 
 from castspec.errors import CastspecError
 
-PREFILL_SLACK = 1.75  # a step carrying prompt tokens takes at most this many decode steps (issue 39's bar: p99 < 2x)
+PREFILL_SLACK = 1.5  # a step carrying prompt tokens takes at most this many decode steps (issue 39: ITL p99 < 2x)
 FIRST_TOKENS = 16  # before anything is measured
 MAX_TOKENS = 8192
 MIN_TOKEN_SHARE = 1e-3  # of a decode step: the least a prompt token is priced at

@@ -31,8 +31,6 @@ from castspec.drafters.base import Drafter
 from castspec.errors import CastspecError
 from castspec.policies.base import Policy, StepContext
 
-# a draft forward that takes less than this share of an AR step, by its timing and by the cost table, is not learnt
-NEGLIGIBLE_DRAFT = 0.01
 
 @dataclass
 class StepStats:
@@ -554,12 +552,7 @@ class StepEngine:
         timing = {"verify_s": verify_s, "verify_predicted_s": costs.f_target(b, c, verified), "draft_s": draft_s,
                   "draft_predicted_s": sum(costs.f_draft(b, c + extra, n) for extra, n, _ in record.forwards)}
         costs.observe_target(b, c, verified, verify_s)
-        negligible = NEGLIGIBLE_DRAFT * costs.f_target(b, c, 1)
         for extra, n, seconds in record.forwards:
-            # a draft forward well under an AR step, timed so and priced so (a model-free drafter's lookups) moves
-            # no decision: learning its microseconds rebuilt the draft curve on nearly every step (2-9 ms each)
-            if seconds < negligible and costs.f_draft(b, c + extra, n) < negligible:
-                continue
             costs.observe_draft(b, c + extra, n, seconds)
         record.decisions["timing"] = {k: round(v, 6) for k, v in timing.items()}
 
