@@ -58,10 +58,10 @@ class _Pool(TreePool):
 
 
 def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candidates],
-                policy: Policy | None = None) -> tuple[list[list[int]], torch.Tensor]:
-    """Append every row's frontier children to its pool, best first (draw order among equals), in one batch of
-    tensor operations for all rows. Returns each row's new node indices and their utilities, one row per pool
-    [B, n] padded with 0 (what `Policy.width` reads)."""
+                policy: Policy | None = None, layer: int = 1) -> tuple[list[list[int]], torch.Tensor]:
+    """Append every row's frontier children (the nodes of depth `layer`) to its pool, best first (draw order among
+    equals), in one batch of tensor operations for all rows. Returns each row's new node indices and their
+    utilities, one row per pool [B, n] padded with 0 (what `Policy.width` reads)."""
     k = max(c.probs.shape[1] for c in cands)
 
     def stacked(part: str) -> torch.Tensor:
@@ -72,8 +72,7 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
     parent_scores = torch.tensor([pools[b].scores[node] for b, node in flat_parents])[:, None]
     parent_utilities = torch.tensor([pools[b].utilities[node] for b, node in flat_parents])[:, None]
     if policy is not None:
-        depths = torch.tensor([pools[b].depths[node] + 1 for b, node in flat_parents])[:, None]
-        utilities = policy.node_utility(probs, parent_utilities, depths).flatten()
+        utilities = policy.node_utility(probs, parent_utilities, layer).flatten()
     else:
         utilities = (probs * parent_utilities).flatten()
     scores = (probs * parent_scores).flatten()
@@ -160,7 +159,7 @@ def grow_trees(
             _record_proposals(pools, frontiers, cands)
             if grammar:
                 cands = _constrain(pools, frontiers, cands, constraints)
-            nodes, utilities = _add_layers(pools, frontiers, cands, policy)
+            nodes, utilities = _add_layers(pools, frontiers, cands, policy, layer)
             added = sum(len(n) for n in nodes)
             width = policy.width(layer, utilities, ctx) if added else 0
             record.layer_sizes.append(added)

@@ -39,10 +39,9 @@ class Policy(ABC):
         """Whether to draft at all this step (False: a plain AR step; the drafter catches up later)."""
         return True
 
-    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor,
-                     depths: torch.Tensor | int = 1) -> torch.Tensor:
+    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor, depth: int = 1) -> torch.Tensor:
         """A drafted node's worth from its draft probability given its parent (`probs` [F, k]), its parent's
-        utility ([F, 1]) and its depth ([F, 1]). The default is the draft score: the product of draft
+        utility ([F, 1]) and its depth (a layer's nodes share it). The default is the draft score: the product of draft
         probabilities along the path. It must not exceed the parent's (so that the best nodes always form a
         tree)."""
         return probs * parent_utility

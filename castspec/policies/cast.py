@@ -128,18 +128,10 @@ class AcceptanceCalibration:
             bins.refit(prior_rates)
             prior_rates = bins.rates
 
-    def __call__(self, scores: torch.Tensor, depths: torch.Tensor | int = 1) -> torch.Tensor:
-        """Calibrated scores (0 stays 0: padding); `depths`: the nodes' depth, one per row of `scores` ([F, 1])
-        or one for all."""
+    def __call__(self, scores: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        """Calibrated scores of nodes at `depth` (0 stays 0: padding)."""
         flat = scores.double().clamp(0, 1)
-        if isinstance(depths, int):
-            out = self.bands[self.band(depths)](flat.flatten()).reshape(flat.shape)
-        else:
-            bands = torch.tensor([self.band(d) for d in depths.flatten().tolist()])
-            out = torch.empty_like(flat)
-            for band in bands.unique().tolist():
-                rows = bands == band
-                out[rows] = self.bands[band](flat[rows].flatten()).reshape(flat[rows].shape)
+        out = self.bands[self.band(depth)](flat.flatten()).reshape(flat.shape)
         return torch.where(flat > 0, out, 0.0).to(scores.dtype)
 
 
@@ -263,14 +255,13 @@ class CastPolicy(Policy):
         self.calibration.observe([scores[i] / scores[parents[i]] if scores[parents[i]] > 0 else 0.0 for i in nodes],
                                  [i in kept for i in nodes], [depths[i] for i in nodes])
 
-    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor,
-                     depths: torch.Tensor | int = 1) -> torch.Tensor:
+    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor, depth: int = 1) -> torch.Tensor:
         """Calibrated: the parent's utility times the learnt chance that the target takes this child (at its
         depth) once it has taken the parent; a chain of confident n-gram guesses then loses worth with every step
         as the target's choices say it does, and a copied span that the target keeps taking stays worth drafting."""
         if self.calibration is None:
-            return super().node_utility(probs, parent_utility, depths)
-        return self.calibration(probs, depths).to(parent_utility.dtype) * parent_utility
+            return super().node_utility(probs, parent_utility, depth)
+        return self.calibration(probs, depth).to(parent_utility.dtype) * parent_utility
 
     # ---- decisions ----------------------------------------------------------------------------------------
 
