@@ -9,7 +9,7 @@ import pytest
 
 from castspec.cli import main
 from castspec.cli.serve import prefill_chunk
-from castspec.costs.prefill import FIRST_TOKENS, PrefillBudget
+from castspec.costs.prefill import FIRST_TOKENS, RECENT, PrefillBudget
 from castspec.errors import CastspecError
 
 
@@ -48,7 +48,7 @@ def test_a_stall_moves_the_budget_by_a_factor_of_two_at_most_and_is_forgotten():
     seen = settle(budget, lambda k: 0.3 + 0.004 * k)
     budget.observe(100.0, budget.tokens)  # a stall (another process took the cores)
     assert budget.tokens >= seen[-1] // 2
-    assert settle(budget, lambda k: 0.3 + 0.004 * k, steps=3)[-1] == seen[-1]
+    assert settle(budget, lambda k: 0.3 + 0.004 * k, steps=RECENT)[-1] == seen[-1]
 
 
 def test_the_budget_never_drops_below_one_token_and_tokens_always_cost_something():
@@ -89,3 +89,17 @@ def test_serve_refuses_a_prefill_chunk_that_is_neither_a_count_nor_auto(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "a number of tokens >= 0 or 'auto', got 'soon'" in err
     assert [prefill_chunk(text) for text in ("auto", "0", "64")] == ["auto", 0, 64]
+
+
+def test_a_carrying_step_is_compared_with_decode_steps_of_its_own_batch_size():
+    # one row decodes in 0.2 s, three in 0.5 s (say, CAST's trees); a prompt joins the three at 5 ms a token
+    budget = PrefillBudget(slack=1.5)
+    for _ in range(5):
+        budget.observe(0.2, 0, rows=1)
+        budget.observe(0.5, 0, rows=3)
+    settle_at_three = [budget.observe(0.5, 0, rows=3) or budget.observe(0.5 + 0.005 * budget.tokens,
+                                                                         budget.tokens, rows=3)
+                       or budget.tokens for _ in range(30)]
+    # 0.5 * 0.5 s / 5 ms; against one row's 0.2 s the three rows' own extra 0.3 s would be priced as prompt tokens
+    assert settle_at_three[-1] == 50
+    assert budget.decode_seconds(2) == 0.2 and budget.decode_seconds(8) == 0.5  # the nearest timed (ties: fewer)

@@ -17,15 +17,17 @@ PREFILL_SLACK = 1.5  # a step carrying prompt tokens takes at most this many dec
 FIRST_TOKENS = 16  # before anything is measured
 MAX_TOKENS = 8192
 MIN_TOKEN_SHARE = 1e-3  # of a decode step: the least a prompt token is priced at
-RECENT = 9  # timings each estimate is the median of: a stall (another process took the cores) is one of them
+STALL = 4  # a carrying step's added time counts as at most this many times what the slack allows
+RECENT = 9  # steps each estimate reads: a stall (another process took the cores) is one of them
 
 
 class PrefillBudget:
     """Prompt tokens per step while rows decode, sized so that such a step takes at most `slack` times a decode
-    step without them. It keeps two estimates from the engine's recent steps, each the median of its last few
-    timings: the seconds of a decode step alone, and the seconds each prompt token adds to one (a carrying step's
-    time less the decode step's, per token). Measured at the budget it sets, the price per token includes whatever
-    the current chunk size costs (few tokens ride nearly free on the weights a decode step reads anyway; many are
+    step without them. It keeps two estimates from the engine's recent steps: the seconds of a decode step alone
+    at each batch size (the median of the last few: a CAST step over 4 rows is not one over 1), and the seconds
+    each prompt token adds to one (the last few carrying steps' times less a decode step's at their batch size,
+    over the tokens they carried). Measured at the budget it sets, the price per token includes whatever the
+    current chunk size costs (few tokens ride nearly free on the weights a decode step reads anyway; many are
     compute-bound), so the budget settles where the slack is spent. One step moves it by at most a factor of two,
     so one noisy timing cannot swing it."""
 
@@ -34,30 +36,48 @@ class PrefillBudget:
             raise CastspecError(f"the prefill slack must be a number above 1 (a carrying step's time in decode "
                                 f"steps), got {slack!r}")
         self.slack = float(slack)
-        self._decode: deque[float] = deque(maxlen=RECENT)  # decode steps without prompt tokens
-        self._token: deque[float] = deque(maxlen=RECENT)  # what one prompt token added to a decode step
+        self._decode: dict[int, deque[float]] = {}  # per batch size, its decode steps without prompt tokens
+        self._carried: deque[tuple[float, int]] = deque(maxlen=RECENT)  # (seconds added, tokens) of carrying steps
+        self._rows = 1  # the batch size of the latest step
         self.tokens = first
+
+    def decode_seconds(self, rows: int) -> float | None:
+        """A decode step's seconds at `rows` rows (or the nearest batch size timed; None before any)."""
+        if not self._decode:
+            return None
+        nearest = min(self._decode, key=lambda timed: (abs(timed - rows), timed))
+        return statistics.median(self._decode[nearest])
 
     @property
     def decode_s(self) -> float | None:
-        return statistics.median(self._decode) if self._decode else None
+        return self.decode_seconds(self._rows)
 
     @property
     def token_s(self) -> float | None:
-        return statistics.median(self._token) if self._token else None
+        """Seconds added over tokens carried, summed over the recent carrying steps: a step of a few tokens
+        weighs little, so the step-to-step noise of the decode part (a CAST tree's size changes every step)
+        cannot price a token at the whole noise, which per-step ratios did when the chunk got small."""
+        if not self._carried:
+            return None
+        return sum(added for added, _ in self._carried) / sum(tokens for _, tokens in self._carried)
 
-    def observe(self, seconds: float, prompt_tokens: int) -> None:
-        """A decode step took `seconds` while carrying `prompt_tokens` prompt tokens (0: a plain decode step)."""
+    def observe(self, seconds: float, prompt_tokens: int, rows: int = 1) -> None:
+        """A decode step over `rows` rows took `seconds` while carrying `prompt_tokens` prompt tokens (0: a plain
+        decode step)."""
         if seconds <= 0:
             return
+        self._rows = rows
         if prompt_tokens == 0:
-            self._decode.append(seconds)
+            self._decode.setdefault(rows, deque(maxlen=RECENT)).append(seconds)
             return
         decode_s = self.decode_s
         if decode_s is None:
             return
-        # a carrying step as fast as the decode steps around it is noise: a token costs at least a thousandth of one
-        self._token.append(max((seconds - decode_s) / prompt_tokens, MIN_TOKEN_SHARE * decode_s))
+        # a carrying step as fast as the decode steps around it is noise: a token costs at least a thousandth of one;
+        # one far slower (a stall: another process took the cores) counts as STALL times what the slack allows
+        added = min(max(seconds - decode_s, MIN_TOKEN_SHARE * decode_s * prompt_tokens),
+                    STALL * (self.slack - 1) * decode_s)
+        self._carried.append((added, prompt_tokens))
         fits = (self.slack - 1) * decode_s / self.token_s
         self.tokens = int(min(max(fits, self.tokens / 2, 1), self.tokens * 2, MAX_TOKENS))
 

@@ -526,7 +526,7 @@ class StepEngine:
         if self.learner is not None and not prompt_tokens:
             self._learn(ctx, max(len(t) for t in trees), record, t1 - t0, t2 - t1)
         if isinstance(self.prefill_chunk, PrefillBudget):
-            self.prefill_chunk.observe(t2 - t0, prompt_tokens)
+            self.prefill_chunk.observe(t2 - t0, prompt_tokens, len(rows))
         lap("policy")
         kept = [[0, *results[i][0]] for i in going]
         tails = None
