@@ -70,7 +70,7 @@ def run_serve(args) -> None:
     import uvicorn
 
     from castspec.serve.app import Server, build_app
-    from castspec.serve.loop import EngineLoop
+    from castspec.serve.loop import EngineLoop, in_passing_thread
     from castspec.serve.metrics import ServerMetrics
 
     for name in ("max_batch_size", "max_waiting"):
@@ -85,9 +85,12 @@ def run_serve(args) -> None:
     name = args.served_model_name or args.model
     if args.replicas is not None or args.ray_address is not None:
         return _serve_on_ray(args, name)
-    engine = load_engine(args)
-    stepper = engine.stepper(args.max_batch_size, args.max_waiting, args.prefix_cache_gb, args.prefill_chunk or None,
-                             args.prefill_slack)
+    def load():  # the engine thread is then the only one with torch's OpenMP workers (in_passing_thread)
+        engine = load_engine(args)
+        return engine, engine.stepper(args.max_batch_size, args.max_waiting, args.prefix_cache_gb,
+                                      args.prefill_chunk or None, args.prefill_slack)
+
+    engine, stepper = in_passing_thread(load)
     loop = EngineLoop(stepper, ServerMetrics(name), args.trace)
     server = Server(loop, engine.tokenizer, name, engine.target.max_positions, args.max_waiting)
     joining = {"auto": f"by chunks sized by time (<= {args.prefill_slack:g} decode steps)", 0: "whole"}.get(

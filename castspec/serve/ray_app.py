@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from castspec.serve.app import Server, build_app, refreshed_registry
-from castspec.serve.loop import EngineLoop
+from castspec.serve.loop import EngineLoop, in_passing_thread
 from castspec.serve.metrics import PUSH_EVERY_S, ServerMetrics
 
 REPLICA_HEADER = "x-castspec-replica"
@@ -192,7 +192,8 @@ class CastspecReplica:
 
         torch.set_num_threads(config.threads)
         self.replica = serve.get_replica_context().replica_id.unique_id
-        engine = await asyncio.to_thread(Engine.load, **config.engine)
+        # loaded in a thread that ends, so that the engine thread's OpenMP team is the only one (in_passing_thread)
+        engine = await asyncio.to_thread(in_passing_thread, lambda: Engine.load(**config.engine))
         name = config.served_model_name
         stepper = engine.stepper(config.max_batch_size, config.max_waiting, config.prefix_cache_gb,
                                  config.prefill_chunk, config.prefill_slack)
