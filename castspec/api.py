@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from castspec.costs.prefill import PREFILL_SLACK, PrefillBudget
+from castspec.costs.prefill import PREFILL_SLACK, prefill_schedule
 from castspec.costs.probe import MODEL_FREE, find_cost_table, online_cost_model
 from castspec.costs.table import CostTable, model_identity, setup_key
 from castspec.decode.constraints import GrammarCompiler, grammar_from_response_format
@@ -279,12 +279,8 @@ class Engine:
         `prefill_chunk`: prompt tokens prefilled per step while other rows decode (None: a joining prompt at once;
         "auto": as many as keep such a step within `prefill_slack` decode steps, learnt from the steps' times)."""
         cache = PrefixCache(gigabytes(prefix_cache_gb)) if prefix_cache_gb > 0 else None
-        if prefill_chunk == "auto":
-            prefill_chunk = PrefillBudget(prefill_slack)
-        elif isinstance(prefill_chunk, str):
-            raise CastspecError(f"the prefill chunk is a number of tokens or 'auto', got {prefill_chunk!r}")
         return StepEngine(self.target, self.drafter, self.policy, self.tokenizer, self.eos_ids, max_batch_size,
-                          max_waiting, cache, prefill_chunk)
+                          max_waiting, cache, prefill_schedule(prefill_chunk, prefill_slack))
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -9,7 +9,7 @@ import pytest
 
 from castspec.cli import main
 from castspec.cli.serve import prefill_chunk
-from castspec.costs.prefill import FIRST_TOKENS, RECENT, PrefillBudget
+from castspec.costs.prefill import FIRST_TOKENS, RECENT, PrefillBudget, prefill_schedule
 from castspec.errors import CastspecError
 
 
@@ -89,6 +89,19 @@ def test_serve_refuses_a_prefill_chunk_that_is_neither_a_count_nor_auto(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "a number of tokens >= 0 or 'auto', got 'soon'" in err
     assert [prefill_chunk(text) for text in ("auto", "0", "64")] == ["auto", 0, 64]
+
+
+def test_every_shell_reads_the_chunk_option_the_same_way():
+    budget = PrefillBudget(2.0)
+    assert prefill_schedule(None) is None and prefill_schedule(0) is None and prefill_schedule(64) == 64
+    assert prefill_schedule(budget) is budget
+    made = prefill_schedule("auto", 1.25)
+    assert isinstance(made, PrefillBudget) and made.slack == 1.25
+    for bad in ("soon", "64", -1, 1.5, True):
+        with pytest.raises(CastspecError, match="prefill chunk is a number of tokens"):
+            prefill_schedule(bad)
+    with pytest.raises(CastspecError, match="prefill slack"):
+        prefill_schedule(64, 1.0)  # a bad slack is refused whatever the chunk, as the CLI reads both at once
 
 
 def test_a_carrying_step_is_compared_with_decode_steps_of_its_own_batch_size():

@@ -54,7 +54,8 @@ def test_trees_and_joining_chunks_in_one_forward_equal_each_sequence_alone(model
     for step in range(12):
         # a row's root is its next (not yet committed) token
         trees = [random_tree(rng, h[-1], rng.randint(1, 7)) for h in histories]
-        logits, _ = target.forward(trees, prefills, 5)  # at most 5 prompt tokens a step
+        logits, _, carried = target.forward(trees, prefills, 5)  # at most 5 prompt tokens a step
+        assert carried == min(5, sum(p.left for p in prefills) + carried)
         for row, (tree, h) in enumerate(zip(trees, histories, strict=True)):
             for node in range(len(tree)):
                 sequence = h[:-1] + tree.tokens[path_to(tree, node)].tolist()

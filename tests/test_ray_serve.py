@@ -37,7 +37,7 @@ REQUEST_BOUND_S = 300
     (["--replicas", "2", "--max-ongoing-requests", "2"], "below --max-batch-size"),
     (["--replicas", "2", "--method", "chain", "--chain-length", "0"], "chain"),
     (["--replicas", "1", "--model", "./no/such/model"], "does not exist"),
-    (["--replicas", "2", "--prefill-slack", "1"], "--prefill-slack must be above 1"),
+    (["--replicas", "2", "--prefill-slack", "1"], "prefill slack must be a number above 1"),
 ])
 def test_bad_scale_flags_fail_in_one_line_before_ray_starts(capsys, monkeypatch, args, message):
     def no_ray(*args, **kwargs):

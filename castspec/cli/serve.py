@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from castspec.cli.options import engine_args, engine_options, load_engine, policy_args
-from castspec.costs.prefill import PREFILL_SLACK
+from castspec.costs.prefill import PREFILL_SLACK, prefill_schedule
 from castspec.errors import CastspecError
 
 PREFIX_CACHE_GB = 2.0
@@ -78,8 +78,7 @@ def run_serve(args) -> None:
             raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.prefix_cache_gb < 0:
         raise CastspecError(f"--prefix-cache-gb must be >= 0 (0: off), got {args.prefix_cache_gb:g}")
-    if not args.prefill_slack > 1:
-        raise CastspecError(f"--prefill-slack must be above 1 (decode steps), got {args.prefill_slack:g}")
+    prefill_schedule(args.prefill_chunk, args.prefill_slack)  # refused here in one line, before minutes of loading
     if not 0 < args.port < 65536:
         raise CastspecError(f"--port must be in 1..65535, got {args.port}")
     name = args.served_model_name or args.model
@@ -88,7 +87,7 @@ def run_serve(args) -> None:
     def load():  # the engine thread is then the only one with torch's OpenMP workers (in_passing_thread)
         engine = load_engine(args)
         return engine, engine.stepper(args.max_batch_size, args.max_waiting, args.prefix_cache_gb,
-                                      args.prefill_chunk or None, args.prefill_slack)
+                                      args.prefill_chunk, args.prefill_slack)
 
     engine, stepper = in_passing_thread(load)
     loop = EngineLoop(stepper, ServerMetrics(name), args.trace)
@@ -109,7 +108,7 @@ def _serve_on_ray(args, name: str) -> None:
                             f"{args.replica_cpus}")
     config = ReplicaConfig(engine_options(args), name, args.max_batch_size, args.max_waiting,
                            threads=max(1, int(args.replica_cpus)), trace=args.trace,
-                           prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk or None,
+                           prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk,
                            prefill_slack=args.prefill_slack)
     replicas = 1 if args.replicas is None else args.replicas  # --ray-address alone: one replica on the cluster
     scale = ScaleConfig(replicas, args.replica_cpus, args.replica_gpus, args.max_ongoing_requests, args.min_replicas,

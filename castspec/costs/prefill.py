@@ -32,13 +32,10 @@ class PrefillBudget:
     so one noisy timing cannot swing it."""
 
     def __init__(self, slack: float = PREFILL_SLACK, first: int = FIRST_TOKENS) -> None:
-        if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack > 1:
-            raise CastspecError(f"the prefill slack must be a number above 1 (a carrying step's time in decode "
-                                f"steps), got {slack!r}")
-        self.slack = float(slack)
+        self.slack = check_slack(slack)
         self._decode: dict[int, deque[float]] = {}  # per batch size, its decode steps without prompt tokens
         self._carried: deque[tuple[float, int]] = deque(maxlen=RECENT)  # (seconds added, tokens) of carrying steps
-        self._rows = 1  # the batch size of the latest step
+        self._latest_decode_s: float | None = None  # a decode step's seconds at the latest carrying step's rows
         self.tokens = first
 
     def decode_seconds(self, rows: int) -> float | None:
@@ -47,10 +44,6 @@ class PrefillBudget:
             return None
         nearest = min(self._decode, key=lambda timed: (abs(timed - rows), timed))
         return statistics.median(self._decode[nearest])
-
-    @property
-    def decode_s(self) -> float | None:
-        return self.decode_seconds(self._rows)
 
     @property
     def token_s(self) -> float | None:
@@ -66,13 +59,13 @@ class PrefillBudget:
         decode step)."""
         if seconds <= 0:
             return
-        self._rows = rows
         if prompt_tokens == 0:
             self._decode.setdefault(rows, deque(maxlen=RECENT)).append(seconds)
             return
-        decode_s = self.decode_s
+        decode_s = self.decode_seconds(rows)
         if decode_s is None:
             return
+        self._latest_decode_s = decode_s
         # a carrying step as fast as the decode steps around it is noise: a token costs at least a thousandth of one;
         # one far slower (a stall: another process took the cores) counts as STALL times what the slack allows
         added = min(max(seconds - decode_s, MIN_TOKEN_SHARE * decode_s * prompt_tokens),
@@ -82,8 +75,32 @@ class PrefillBudget:
         self.tokens = int(min(max(fits, self.tokens / 2, 1), self.tokens * 2, MAX_TOKENS))
 
     def describe(self) -> str:
-        token_s, decode_s = self.token_s, self.decode_s
+        token_s, decode_s = self.token_s, self._latest_decode_s
         if token_s is None or decode_s is None:
             return f"{self.tokens} prompt tokens a step (nothing measured yet; slack {self.slack:g})"
         return (f"{self.tokens} prompt tokens a step ({token_s * 1e3:.2f} ms each beside a {decode_s * 1e3:.0f} ms "
                 f"decode step; slack {self.slack:g})")
+
+
+def check_slack(slack: float) -> float:
+    if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack > 1:
+        raise CastspecError(f"the prefill slack must be a number above 1 (a carrying step's time in decode steps), "
+                            f"got {slack!r}")
+    return float(slack)
+
+
+def prefill_schedule(chunk: int | str | PrefillBudget | None, slack: float = PREFILL_SLACK
+                     ) -> int | PrefillBudget | None:
+    """What a stepping engine prefills per step while rows decode, from what a user asked for: None or 0 (a
+    joining prompt at once) -> None; a positive count of tokens -> that count; 'auto' -> a PrefillBudget with
+    `slack`; a PrefillBudget -> itself. Anything else is refused in one line (the CLI, the library and Ray
+    replicas all read the option through here)."""
+    check_slack(slack)
+    if chunk is None or isinstance(chunk, PrefillBudget):
+        return chunk
+    if chunk == "auto":
+        return PrefillBudget(slack)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise CastspecError(f"the prefill chunk is a number of tokens >= 0 (0: a prompt at once) or 'auto', got "
+                            f"{chunk!r}")
+    return chunk or None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from castspec.costs.online import OnlineCostTable
-from castspec.costs.prefill import PrefillBudget
+from castspec.costs.prefill import PrefillBudget, prefill_schedule
 from castspec.decode.constraints import Constraint, Grammar, GrammarCompiler, GrammarError
 from castspec.decode.drafting import DraftRecord, grow_trees
 from castspec.decode.prefix_cache import PrefixCache
@@ -206,19 +206,15 @@ class StepEngine:
     def __init__(self, target: Target, drafter: Drafter | None = None, policy: Policy | None = None,
                  tokenizer=None, eos_ids: set[int] | None = None, max_batch_size: int = 8,
                  max_waiting: int | None = None, prefix_cache: PrefixCache | None = None,
-                 prefill_chunk: int | PrefillBudget | None = None) -> None:
+                 prefill_chunk: int | str | PrefillBudget | None = None) -> None:
         if (drafter is None) != (policy is None):
             raise CastspecError("a drafter and a policy go together: give both (speculative) or neither (AR)")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise CastspecError(f"max batch size must be a positive integer, got {max_batch_size!r}")
         self.target, self.drafter, self.policy = target, drafter, policy
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids or ())
-        if not isinstance(prefill_chunk, PrefillBudget | None) and (
-                isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-            raise CastspecError(f"the prefill chunk must be a positive number of tokens or a PrefillBudget, got "
-                                f"{prefill_chunk!r}")
         self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
-        self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
+        self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_schedule(prefill_chunk)
         self.layers = drafter.feature_layers if drafter is not None else ()
         # a learning cost model takes this engine's timed forwards (it only changes which trees CAST picks)
         costs = getattr(policy, "costs", None)
@@ -344,8 +340,7 @@ class StepEngine:
             return _one_per_request(outputs + self._decode_step())
         if self.joining:
             t0 = _clock(self.target.device)
-            tokens = sum(p.left for p in self.prefills)
-            self.target.forward([], self.prefills, None, self.layers)
+            *_, tokens = self.target.forward([], self.prefills, None, self.layers)
             outputs += self._join(t0, tokens, alone=True)
         return outputs
 
@@ -489,10 +484,7 @@ class StepEngine:
         lap("draft")
         # the joining prompts' next tokens ride in the same forward (the weights are read once for both)
         chunk = self.prefill_chunk.tokens if isinstance(self.prefill_chunk, PrefillBudget) else self.prefill_chunk
-        prompt_tokens = sum(p.left for p in self.prefills)
-        if chunk is not None:
-            prompt_tokens = min(prompt_tokens, chunk)
-        logits, verified_features = target.forward(trees, self.prefills, chunk, self.layers)
+        logits, verified_features, prompt_tokens = target.forward(trees, self.prefills, chunk, self.layers)
         lap("verify")
         results = [accept(tree, logits[i][: len(tree)], s.sampling, s.generator, s.constraint)
                    for i, (s, tree) in enumerate(zip(rows, trees, strict=True))]

@@ -125,11 +125,12 @@ class Target:
     # ---- a step -------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, trees: list[DraftTree], prefills: list[Prefill], budget: int | None,
-                feature_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                feature_layers: tuple[int, ...] = ()
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, int]:
         """One forward over every row's tree (row i: `trees[i]`) and the next prompt tokens of `prefills`, at most
         `budget` of them in all (None: all that are left), in order. Returns each row's logits [len(tree), V]
-        (model dtype) and, with `feature_layers`, its features [len(tree), F]; a prompt finished here gets its
-        first logits, and its features are kept with it."""
+        (model dtype), with `feature_layers` its features [len(tree), F] (else None), and how many prompt tokens
+        the forward carried; a prompt finished here gets its first logits, and its features are kept with it."""
         left = math.inf if budget is None else budget
         chunks = []
         for p in prefills:
@@ -163,12 +164,13 @@ class Target:
         sizes = [len(t) for t in trees]
         logits = list(out.logits[0, :verified].split(sizes)) if trees else []
         row_features = list(features[:verified].split(sizes)) if features is not None and trees else None
-        return logits, row_features
+        return logits, row_features, start - verified
 
     def verify(self, trees: list[DraftTree], feature_layers: tuple[int, ...] = ()
                ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """`forward` over the rows' trees alone."""
-        return self.forward(trees, [], 0, feature_layers)
+        logits, features, _ = self.forward(trees, [], 0, feature_layers)
+        return logits, features
 
     def commit(self, kept_nodes: list[list[int]]) -> None:
         """Per row, keep the entries of `kept_nodes` (root first, then the accepted path) of the trees verified

@@ -36,6 +36,9 @@ def select_max_valid_index(utilities: list[float], costs: list[float], threshold
     return anchor
 
 
+UNSEEN_WEIGHT = 1e-3  # a score bin with no evidence of its own yields to any bin that has some
+
+
 class _ScoreBins:
     """P(accepted | score) for one depth band: binned, decaying counts of what the target did, over `prior`
     pseudo-observations at the prior's rate per bin (the bin centres, or the shallower band's fitted rates), fitted
@@ -64,7 +67,7 @@ class _ScoreBins:
         # the fit weighs each bin by its own evidence, so that the priors of bins that saw nothing do not pool an
         # observed bin towards their centres: 70 of 70 suffix nodes scored 0.47 taken read 0.92 when 9 unseen
         # bins above it with 4 pseudo-observations each joined its pool
-        self.rates = isotonic(rates, [n + AcceptanceCalibration.UNSEEN_WEIGHT for n in self.seen])
+        self.rates = isotonic(rates, [n + UNSEEN_WEIGHT for n in self.seen])
         self._fit()
 
     def _fit(self) -> None:
@@ -101,7 +104,6 @@ class AcceptanceCalibration:
 
     EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97, 1.0)
     DEPTHS = (1, 2, 4, 8)  # the first depth of each band
-    UNSEEN_WEIGHT = 1e-3  # a bin with no evidence of its own yields to any bin that has some
 
     def __init__(self, prior: float = 4.0, decay: float = 0.99) -> None:
         self.prior, self.decay = prior, decay
