@@ -14,7 +14,15 @@ from torch import nn
 
 from castspec import Engine
 from castspec.costs.table import CostTable, model_identity, setup_key
-from castspec.decode.prepack import PrepackedLinear, can_prepack, is_prepacked, prepack
+from castspec.decode.prepack import (
+    BUCKETS_PER_OCTAVE,
+    PAD_ABOVE,
+    PrepackedLinear,
+    bucket_rows,
+    can_prepack,
+    is_prepacked,
+    prepack,
+)
 from castspec.decode.row_linear import build_error, kernel_rows, row_kernel
 from castspec.drafters.ngram import NgramDrafter
 from castspec.errors import CastspecError
@@ -138,6 +146,31 @@ def test_the_kernel_takes_every_row_count_up_to_the_largest_that_paid_and_all_be
     assert kernel_rows({1: 1.3, 2: 1.01, 4: 1.2, 8: 1.2}) == 1  # a count that did not pay ends the run
     assert kernel_rows({1: 0.98, 2: 1.3}) == 0
     assert kernel_rows({8: 1.2, 1: 1.2, 4: 1.2, 2: 1.2}) == 8
+
+
+def test_row_counts_are_rounded_to_a_bounded_set_that_wastes_at_most_an_eighth():
+    counts = range(1, 8193)
+    buckets = [bucket_rows(rows) for rows in counts]
+    assert buckets[:PAD_ABOVE] == list(range(1, PAD_ABOVE + 1))  # decode steps keep their exact shapes
+    most = 1 + 1 / BUCKETS_PER_OCTAVE
+    assert all(rows <= padded <= rows * most for rows, padded in zip(counts, buckets, strict=True))
+    assert buckets == sorted(buckets) and all(bucket_rows(b) == b for b in buckets)
+    assert len(set(buckets)) < PAD_ABOVE + 13 * BUCKETS_PER_OCTAVE  # ~100 shapes for every prompt chunk up to 8k
+
+
+def test_a_padded_row_count_gives_each_row_what_onednn_gives_it_at_the_bucket():
+    torch.manual_seed(0)
+    plain = nn.Linear(64, 40).to(torch.bfloat16)
+    packed = PrepackedLinear(plain)
+    with torch.inference_mode():
+        for rows in (17, 33, 100):
+            x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+            got = packed(x)
+            assert got.shape == (1, rows, 40) and bucket_rows(rows) > rows
+            wide = torch.cat([x[0], x.new_zeros(bucket_rows(rows) - rows, 64)])
+            want = torch.ops.mkldnn._linear_pointwise(wide, packed._packed, plain.bias, "none", [], "")[:rows]
+            assert torch.equal(got[0], want)
+            torch.testing.assert_close(got.float(), plain(x).float(), atol=0.05, rtol=0.02)
 
 
 def test_gradients_flow_through_a_packed_layer_as_through_nn_linear():
