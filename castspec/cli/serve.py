@@ -71,7 +71,6 @@ def run_serve(args) -> None:
 
     from castspec.serve.app import Server, build_app
     from castspec.serve.loop import EngineLoop, in_passing_thread
-    from castspec.serve.malloc import fix_malloc_thresholds
     from castspec.serve.metrics import ServerMetrics
 
     for name in ("max_batch_size", "max_waiting"):
@@ -85,8 +84,6 @@ def run_serve(args) -> None:
     name = args.served_model_name or args.model
     if args.replicas is not None or args.ray_address is not None:
         return _serve_on_ray(args, name)
-    fix_malloc_thresholds()  # before the model loads: a heap that fragments grows with every prompt (serve/malloc.py)
-
     def load():  # the engine thread is then the only one with torch's OpenMP workers (in_passing_thread)
         engine = load_engine(args)
         return engine, engine.stepper(args.max_batch_size, args.max_waiting, args.prefix_cache_gb,

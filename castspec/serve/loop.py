@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from castspec.decode.engine import RequestError, RequestOutput, RequestParams, StepEngine
+from castspec.serve.malloc import HeapTrimmer
 from castspec.serve.metrics import ServerMetrics
 from castspec.serve.protocol import FINISH_REASONS
 
@@ -65,6 +66,7 @@ class EngineLoop:
         self._pending = 0  # submitted, not yet taken in by the engine thread (counts against the waiting queue)
         self._pending_lock = threading.Lock()
         self.error: BaseException | None = None
+        self._heap = HeapTrimmer()
 
     # -- called from the server's thread ------------------------------------------------------------------------
     def start(self) -> None:
@@ -119,6 +121,7 @@ class EngineLoop:
                     continue
                 outputs = self.engine.step()
                 self._record(outputs)
+                self._heap.maybe_trim()  # freed pages inside the heap go back (serve/malloc.py)
         except BaseException as e:  # the loop is dead: every request still open learns why, /health says 503
             self.error = e
             for live in self._live.values():

@@ -37,7 +37,6 @@ from prometheus_client.metrics_core import Metric
 
 from castspec.serve.app import Server, build_app, refreshed_registry
 from castspec.serve.loop import EngineLoop, in_passing_thread
-from castspec.serve.malloc import fix_malloc_thresholds
 from castspec.serve.metrics import PUSH_EVERY_S, ServerMetrics
 
 REPLICA_HEADER = "x-castspec-replica"
@@ -192,7 +191,6 @@ class CastspecReplica:
         from castspec.api import Engine
 
         torch.set_num_threads(config.threads)
-        fix_malloc_thresholds()  # a heap that fragments grows with every prompt (serve/malloc.py)
         self.replica = serve.get_replica_context().replica_id.unique_id
         # loaded in a thread that ends, so that the engine thread's OpenMP team is the only one (in_passing_thread)
         engine = await asyncio.to_thread(in_passing_thread, lambda: Engine.load(**config.engine))
