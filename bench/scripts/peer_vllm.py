@@ -12,9 +12,15 @@ set: prompts no earlier sitting ran or tuned on (`castspec bench` and the peer s
 Server `vllm-ngram` is vLLM with its own n-gram speculation (4 tokens), with Intel OpenMP preloaded as its CPU
 speculation asks (`LD_PRELOAD`, when the venv holds libiomp5).
 
+With `--interleave R` the servers named (two or three: they must fit in memory together) are started one after
+another and then all kept up, idle but for the one being loaded, and loaded in R rounds, the order turned every
+round: this machine's speed drifts by 20 % over minutes (the same forward timed 125 ms, then 154 ms three minutes
+later, bench/peer-vllm/README.md), so one server after another compares two moments as much as two servers. Each
+round's ratio to vLLM plain is taken between loads minutes apart, and the report gives their median and range.
+
 Run: .venv/bin/python bench/scripts/peer_vllm.py bench/peer-vllm/NAME [--concurrency 1,4] [--per-set 3]
      [--servers vllm,vllm-ngram,castspec-ar,castspec-cast-ngram,castspec-cast-suffix] [--heldout-offset 3]
-     (writes NAME.json, NAME.md, NAME.png)"""
+     [--interleave 3] (writes NAME.json, NAME.md, NAME.png)"""
 
 from __future__ import annotations
 
@@ -185,6 +191,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--heldout-offset", type=int, default=None,
                         help="also load every server with the prompts after this many of each set")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="keep the servers up together and load them in this many rounds, turning the order")
     args = parser.parse_args()
     from castspec.cli.options import prompt_rows
 
@@ -201,6 +209,12 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     result = new_result(prompts=[r["id"] for r in rows], output_len=args.output_len,
                         heldout_prompts=[r["id"] for r in heldout_rows] if heldout else None)
+    if args.interleave:
+        if heldout:
+            raise SystemExit("--interleave loads the main prompts only; leave out --heldout-offset")
+        interleaved(result, out, vllm, model_dir, prompts, len(rows), levels, args)
+        finish(out, interleaved_report(result, levels), lambda path: plot(result, levels, path))
+        return
     for name in args.servers.split(","):
         home = fresh_home()
         port = free_port()
@@ -220,6 +234,56 @@ def main() -> None:
                 log(f"  {name} held-out c={c}: {heldout_out[str(c)]['output_throughput']:.2f} tok/s")
         keep_server(result, out, name, startup_s, levels_out, **({"heldout": heldout_out} if heldout else {}))
     finish(out, report(result, levels), lambda path: plot(result, levels, path))
+
+
+def interleaved(result: dict, out: Path, vllm: Path, model_dir: str, prompts: Path, count: int, levels: list[int],
+                args) -> None:
+    """Every server up at once; `args.interleave` rounds of loads, each server in turn at each level, the order
+    turned by one every round. A server's level result is the median round's, with every round kept."""
+    names = args.servers.split(",")
+    if "vllm" not in names:
+        raise SystemExit("--interleave compares with vLLM plain: name the server vllm among --servers")
+    bases: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            command, env = server_command(name, vllm, model_dir, free_port(), fresh_home())
+            log(f"{name}: starting ...")
+            bases[name], startup_s = stack.enter_context(running(command, env, out.parent / f"{out.name}-{name}.log"))
+            result["servers"][name] = {"startup_s": round(startup_s, 1), "levels": {}, "rounds": {}}
+        for round_ in range(args.interleave):
+            order = names[round_ % len(names):] + names[: round_ % len(names)]
+            for c in levels:
+                for name in order:
+                    level = load(vllm, bases[name], model_dir, prompts, count, c, args.output_len, out.parent,
+                                 f"{out.name}-{name}")
+                    level["round"], level["finished"] = round_ + 1, time.strftime("%H:%M:%S")
+                    result["servers"][name]["rounds"].setdefault(str(c), []).append(level)
+                    log(f"  round {round_ + 1} {name} c={c}: {level['output_throughput']:.2f} tok/s")
+            for server in result["servers"].values():
+                for c, runs in server["rounds"].items():
+                    server["levels"][c] = sorted(runs, key=lambda r: r["output_throughput"])[len(runs) // 2]
+            (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def interleaved_report(result: dict, levels: list[int]) -> str:
+    """Each server's tok/s per round and level, and its ratio to vLLM plain in the same round (median, range)."""
+    meta, servers = result["meta"], result["servers"]
+    rounds = len(servers["vllm"]["rounds"][str(levels[0])])
+    lines = [f"# castspec beside vLLM for CPU, interleaved: {meta['model']} bf16, {meta['machine']}", "",
+             f"`{meta['command']}` ({meta['date']}); client: `vllm bench serve` (openai-chat, custom dataset, "
+             f"{len(meta['prompts'])} prompts x {meta['output_len']} tokens, temperature 0); every server up "
+             f"together, loaded one at a time in {rounds} rounds, the order turned each round.", "",
+             "| server | level | tok/s per round | x vLLM plain, same round: median (range) | TPOT ms per round |",
+             "|---|---|---|---|---|"]
+    for name, server in servers.items():
+        for c in levels:
+            runs, plain = server["rounds"][str(c)], servers["vllm"]["rounds"][str(c)]
+            ratios = sorted(r["output_throughput"] / p["output_throughput"] for r, p in zip(runs, plain, strict=True))
+            lines.append(f"| {name} | c={c} | " + ", ".join(f"{r['output_throughput']:.2f}" for r in runs)
+                         + f" | {ratios[len(ratios) // 2]:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
+                         + ", ".join(f"{r['median_tpot_ms']:.0f}" for r in runs) + " |")
+    lines += ["", "Prompts: " + ", ".join(meta["prompts"]) + "."]
+    return "\n".join(lines)
 
 
 def write_prompts(path: Path, rows: list[dict], output_len: int) -> Path:
