@@ -1,5 +1,6 @@
 """The compiled decode forward (`decode.compiled`) on the real SmolLM2-135M in fp32: its AR equals HF greedy, every
-method's output equals its own AR (batched too), and a forward with prompt chunks still runs the eager path."""
+method's output equals its own AR (batched too), prompts carried by decode steps run in the compiled graph and a
+forward of prompt chunks alone runs the eager path."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_every_method_on_the_compiled_path_matches_its_ar_batched(compiled_smoll
 
 
 def test_the_compiled_path_runs_decode_steps_and_keeps_its_own_cost_tables(compiled_smollm, monkeypatch):
-    """Decode forwards go through the compiled forward, forwards with prompt tokens through the eager model; a
+    """Decode forwards go through the compiled forward, forwards of prompt tokens alone through the eager model; a
     compiled model's cost tables are not an eager one's."""
     model, tokenizer = compiled_smollm
     calls = {"compiled": 0}
@@ -72,7 +73,7 @@ def test_the_compiled_path_runs_decode_steps_and_keeps_its_own_cost_tables(compi
 
     def counting(**kwargs):
         calls["compiled"] += 1
-        assert not kwargs["ragged"].own  # no prompt chunk ever reaches the compiled graph
+        assert kwargs["ragged"].has_trees  # a forward of prompt chunks alone never reaches the compiled graph
         return inner(**kwargs)
 
     monkeypatch.setattr(model, "castspec_compiled", counting)
@@ -110,4 +111,34 @@ def test_decode_steps_of_any_shape_reuse_the_two_warm_graphs(compiled_smollm):
     for batch in (1, 3):
         for context, tokens in probe_points:
             time_target_forward(model, batch, context, tokens, repeats=1, warmup=0)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("method", ["ar", "cast-ngram"])
+def test_prompts_carried_by_decode_steps_run_compiled_and_decode_as_alone(compiled_smollm, smollm_reference,
+                                                                          method, monkeypatch):
+    """Prompts joining a running batch by chunks of 8 tokens: every step that carries them runs the compiled graph
+    (no graph beyond the warm two), and every answer equals HF greedy."""
+    from test_batch import LONG
+    from test_prefix_cache import carried_chunks, join_while_running
+    from torch._dynamo.utils import counters
+
+    from castspec.policies.cast import CastPolicy
+
+    model, tokenizer = compiled_smollm
+    carrying = {"compiled": 0}
+    inner = model.castspec_compiled
+
+    def counting(**kwargs):
+        carrying["compiled"] += int(kwargs["ragged"].chunks.bounds.numel() > 0)
+        return inner(**kwargs)
+
+    monkeypatch.setattr(model, "castspec_compiled", counting)
+    graphs = counters["stats"]["unique_graphs"]
+    engine = Engine(model, tokenizer) if method == "ar" else \
+        Engine(model, tokenizer, NgramDrafter(), CastPolicy(flat_costs(), auto=True))
+    prompts = [engine.encode(prompt=p) for p in (PROMPTS[0], LONG, PROMPTS[3], PROMPTS[1])]
+    steps = join_while_running(engine.stepper(max_batch_size=3, prefill_chunk=8), smollm_reference, {
+        0: [("a", prompts[0], 40)], 2: [("long", prompts[1], 12)], 4: [("c", prompts[2], 10), ("d", prompts[3], 10)]})
+    assert len(carried_chunks(steps)) >= 4 and carrying["compiled"] == len(carried_chunks(steps))
     assert counters["stats"]["unique_graphs"] == graphs

@@ -40,14 +40,14 @@ class _Group:
 
 
 @dataclass
-class _Own:
-    """A row attended on its own: packed tokens start..end of slot `slot`, causal after its first `past` entries."""
+class _Chunks:
+    """Rows attended on their own (prompt chunks, a long chain): chunk i is packed tokens start..end of slot `slot`,
+    causal after its first `past` entries; `bounds` holds (start, end, slot, past) for each, one after another, and
+    `masks` their masks ([query_group * (end - start), past + end - start] bool each) flattened one after another.
+    Plain tensors, so that a compiled forward reads any number of chunks (none included) as data, not as shapes."""
 
-    start: int
-    end: int
-    slot: int
-    past: int
-    mask: torch.Tensor  # [1, 1, query_group * (end - start), past + end - start] bool
+    bounds: torch.Tensor  # [4 * chunks] int64, on the CPU
+    masks: torch.Tensor  # [sum of the masks' sizes] bool
 
 
 @dataclass
@@ -56,8 +56,12 @@ class RaggedBatch:
 
     token_slots: torch.Tensor  # [Q]
     token_columns: torch.Tensor  # [Q]
-    group: _Group | None
-    own: list[_Own]
+    group: _Group  # the trees attended together (no tokens in a forward of prompt chunks alone)
+    chunks: _Chunks
+
+    @property
+    def has_trees(self) -> bool:
+        return self.group.packed.numel() > 0
 
 
 class SlotCache:
@@ -182,34 +186,40 @@ def plan(cache: SlotCache, trees: list[tuple[int, DraftTree]], chunks: list[tupl
         slots.append(torch.full((len(chunk),), slot, dtype=torch.long))
         columns.append(torch.arange(start, start + len(chunk)))
     need = max(int(c[-1]) + 1 for c in columns)
-    small, own, offset = [], [], 0
+    small, bounds, masks, offset = [], [], [], 0
     for slot, tree in trees:
         if len(tree) > OWN_ATTENTION_TOKENS:  # a long chain (a profile or a wide budget) is attended alone
-            own.append(_own(offset, len(tree), slot, cache.fill[slot], tree.ancestor_mask(), cache.query_group,
-                            device))
+            bounds.append((offset, offset + len(tree), slot, cache.fill[slot]))
+            masks.append(_own_mask(len(tree), cache.fill[slot], tree.ancestor_mask(), cache.query_group))
         else:
             small.append((offset, slot, tree))
         offset += len(tree)
     for slot, chunk, start in chunks:
-        causal = torch.ones(len(chunk), len(chunk), dtype=torch.bool).tril()
-        own.append(_own(offset, len(chunk), slot, start, causal, cache.query_group, device))
+        bounds.append((offset, offset + len(chunk), slot, start))
+        masks.append(_own_mask(len(chunk), start, torch.ones(len(chunk), len(chunk), dtype=torch.bool).tril(),
+                               cache.query_group))
         offset += len(chunk)
     if small:  # the batched attention reads every row of it as wide as the widest tree
         need = max(need, max(cache.fill[slot] for _, slot, _ in small) + max(len(t) for _, _, t in small))
     cache.ensure(max(int(s[0]) for s in slots) + 1, need)
-    batch = RaggedBatch(torch.cat(slots).to(device), torch.cat(columns).to(device),
-                        _group(cache, small, device) if small else None, own)
+    own = _Chunks(torch.tensor(bounds, dtype=torch.long).reshape(-1),
+                  torch.cat(masks).to(device) if masks else torch.zeros(0, dtype=torch.bool, device=device))
+    batch = RaggedBatch(torch.cat(slots).to(device), torch.cat(columns).to(device), _group(cache, small, device),
+                        own)
     return torch.cat(tokens)[None].to(device), torch.cat(positions)[None].to(device), batch
 
 
-def _own(start: int, count: int, slot: int, past: int, causal: torch.Tensor, group: int, device: torch.device
-         ) -> _Own:
-    mask = torch.cat([torch.ones(count, past, dtype=torch.bool), causal], dim=1)
-    return _Own(start, start + count, slot, past, mask.repeat(group, 1)[None, None].to(device))
+def _own_mask(count: int, past: int, causal: torch.Tensor, group: int) -> torch.Tensor:
+    """A chunk's mask, flat: every one of its `past` entries, then `causal` among its own tokens, for each of the
+    `group` query heads of a key head."""
+    return torch.cat([torch.ones(count, past, dtype=torch.bool), causal], dim=1).repeat(group, 1).reshape(-1)
 
 
 def _group(cache: SlotCache, rows: list[tuple[int, int, DraftTree]], device) -> _Group:
-    """`rows`: (packed offset, slot, tree) of the trees attended together."""
+    """`rows`: (packed offset, slot, tree) of the trees attended together (maybe none)."""
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return _Group(empty, empty, empty, torch.zeros(0, 1, 0, 0, dtype=torch.bool, device=device))
     slot_ids = [slot for _, slot, _ in rows]
     slot_count = max(slot_ids) + 1
     width = max(len(tree) for _, _, tree in rows)
@@ -240,40 +250,42 @@ def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     """The attention of a ragged forward (query [1, heads, Q, head_dim], key / value the cache's whole layer)."""
     if ragged is None:
         raise RuntimeError("castspec_ragged attention runs inside castspec.decode.ragged.forward only")
-    batch, heads, dim = ragged, query.shape[1], query.shape[3]
-    group = batch.group
-    if group is not None:  # an opaque op: a compiled forward calls it as it is, shapes and all
-        out = torch.ops.castspec.attend_trees(query, key, value, group.packed, group.slot, group.node, group.mask,
-                                              scaling)
-    else:
-        out = query.new_empty(query.shape[2], heads, dim)
-    queries = query[0]  # [heads, Q, dim]
-    for own in batch.own:
-        keys = own.past + own.end - own.start
-        attended = _attend(queries[None, :, own.start: own.end], key[own.slot: own.slot + 1, :, :keys],
-                           value[own.slot: own.slot + 1, :, :keys], own.mask, scaling)
-        out[own.start: own.end] = attended[0].transpose(0, 1)
+    group, chunks = ragged.group, ragged.chunks
+    # one opaque op: a compiled forward calls it as it is, whatever the trees' and chunks' shapes and count
+    out = torch.ops.castspec.attend(query, key, value, group.packed, group.slot, group.node, group.mask,
+                                    chunks.bounds, chunks.masks, scaling)
     return out[None], None
 
 
-@torch.library.custom_op("castspec::attend_trees", mutates_args=())
-def attend_trees(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: torch.Tensor,
-                 slot: torch.Tensor, node: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """The rows of a `_Group` (slots 0..rows-1) attended together: returns [Q, heads, head_dim] with the group's
-    tokens filled (`packed`) and the others left for the caller (prompt chunks attended on their own)."""
+@torch.library.custom_op("castspec::attend", mutates_args=())
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: torch.Tensor, slot: torch.Tensor,
+           node: torch.Tensor, mask: torch.Tensor, chunk_bounds: torch.Tensor, chunk_masks: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:
+    """Every packed token's attention, [Q, heads, head_dim]: the trees of a `_Group` (slots 0..rows-1) attended
+    together, padded to the widest, and each chunk of `_Chunks` on its own, causal over its slot."""
     heads, dim = query.shape[1], query.shape[3]
-    rows, keys = mask.shape[0], mask.shape[3]
-    width = mask.shape[2] // (heads // key.shape[1])
+    group_size = heads // key.shape[1]
     out = query.new_empty(query.shape[2], heads, dim)
-    padded = query.new_zeros(rows, heads, width, dim)
-    padded[slot, :, node] = query[0][:, packed].transpose(0, 1)
-    attended = _attend(padded, key[:rows, :, :keys], value[:rows, :, :keys], mask, scaling)
-    out[packed] = attended[slot, :, node]
+    if packed.numel():
+        rows, keys = mask.shape[0], mask.shape[3]
+        width = mask.shape[2] // group_size
+        padded = query.new_zeros(rows, heads, width, dim)
+        padded[slot, :, node] = query[0][:, packed].transpose(0, 1)
+        attended = _attend(padded, key[:rows, :, :keys], value[:rows, :, :keys], mask, scaling)
+        out[packed] = attended[slot, :, node]
+    offset = 0
+    for start, end, row, past in chunk_bounds.view(-1, 4).tolist():
+        count, keys = end - start, past + end - start
+        chunk_mask = chunk_masks[offset: offset + group_size * count * keys].view(1, 1, group_size * count, keys)
+        offset += group_size * count * keys
+        attended = _attend(query[:, :, start: end], key[row: row + 1, :, :keys], value[row: row + 1, :, :keys],
+                           chunk_mask, scaling)
+        out[start: end] = attended[0].transpose(0, 1)
     return out
 
 
-@attend_trees.register_fake
-def _(query, key, value, packed, slot, node, mask, scaling):
+@attend.register_fake
+def _(query, key, value, packed, slot, node, mask, chunk_bounds, chunk_masks, scaling):
     return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
 
 
@@ -292,15 +304,15 @@ def forward(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tens
             logits_to_keep: torch.Tensor, want_hidden: bool = False):
     """One ragged forward of a stock model: its attention is `ragged_attention` for this call only (other callers
     of the same model, a plain `generate`, keep theirs), and no mask is built for it. A model compiled by
-    `decode.compiled` runs its compiled forward when every row is a tree (decode steps); a forward with prompt
-    chunks runs eagerly."""
+    `decode.compiled` runs its compiled forward when the forward has trees (decode steps, and prompt chunks
+    carried by them); a forward of prompt chunks alone (a first prompt, a batch starting) runs eagerly."""
     AttentionInterface.register(ATTENTION, ragged_attention)
     config = model.config
     saved = config._attn_implementation
     config._attn_implementation = ATTENTION
     cache.batch = batch
     compiled = getattr(model, "castspec_compiled", None)
-    run = compiled if compiled is not None and not batch.own else model
+    run = compiled if compiled is not None and batch.has_trees else model
     try:
         return run(input_ids=tokens, position_ids=positions, cache=cache, use_cache=True, ragged=batch,
                    logits_to_keep=logits_to_keep, output_hidden_states=want_hidden)
