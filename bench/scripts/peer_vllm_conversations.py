@@ -9,7 +9,8 @@ sends and vLLM sends when asked), so tokens and chunk times are counted alike. v
 venv by `peer_vllm.py` (never a castspec dependency). Writes NAME.json, NAME.md, NAME.png.
 
 Run: .venv/bin/python bench/scripts/peer_vllm_conversations.py bench/conversations/NAME [--concurrency 1,4]
-     [--sessions 4] [--turns 4] [--max-tokens 96] [--servers vllm,vllm-ngram,castspec-ar,castspec-cast-suffix]"""
+     [--sessions 4] [--turns 4] [--max-tokens 96] [--servers vllm,vllm-ngram,castspec-ar,castspec-cast-suffix]
+     [--trace]"""
 
 from __future__ import annotations
 
@@ -46,10 +47,13 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def command_for(name: str, vllm: Path, model_dir: str, port: int, home: Path) -> tuple[list[str], dict]:
+def command_for(name: str, vllm: Path, model_dir: str, port: int, home: Path, trace: Path | None = None
+                ) -> tuple[list[str], dict]:
+    """The server's command; a castspec server writes its step trace (`serve --trace`) to `trace` when given."""
     vllm_args = {"vllm": ["--enable-prefix-caching"],
                  "vllm-ngram": ["--enable-prefix-caching", "--speculative-config", NGRAM]}
-    return server_command(name, vllm, model_dir, port, home, CASTSPEC, vllm_args, {"VLLM_SERVER_DEV_MODE": "1"})
+    castspec = {name: [*args, "--trace", str(trace)] if trace else args for name, args in CASTSPEC.items()}
+    return server_command(name, vllm, model_dir, port, home, castspec, vllm_args, {"VLLM_SERVER_DEV_MODE": "1"})
 
 
 def hit_rate(before: dict, after: dict) -> float | None:
@@ -67,6 +71,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--trace", action="store_true", help="castspec servers write NAME-SERVER-trace.jsonl")
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +82,8 @@ def main() -> None:
     result = new_result(sessions=[s["id"] for s in sessions], turns=args.turns, max_tokens=args.max_tokens)
     for name in args.servers.split(","):
         home = fresh_home()
-        command, env = command_for(name, vllm, model_dir, free_port(), home)
+        trace = out.parent / f"{out.name}-{name}-trace.jsonl" if args.trace else None
+        command, env = command_for(name, vllm, model_dir, free_port(), home, trace)
         log(f"{name}: starting ...")
         with running(command, env, out.parent / f"{out.name}-{name}.log") as (base, startup_s):
             asyncio.run(sessions_at_concurrency(base, SERVED, conversation_sessions(1, 1), 1, 4, 600,
