@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -239,7 +240,8 @@ def main() -> None:
 def interleaved(result: dict, out: Path, vllm: Path, model_dir: str, prompts: Path, count: int, levels: list[int],
                 args) -> None:
     """Every server up at once; `args.interleave` rounds of loads, each server in turn at each level, the order
-    turned by one every round. A server's level result is the median round's, with every round kept."""
+    turned by one every round. A server's level result is its median round's (the lower middle one), with every
+    round kept."""
     names = args.servers.split(",")
     if "vllm" not in names:
         raise SystemExit("--interleave compares with vLLM plain: name the server vllm among --servers")
@@ -261,7 +263,8 @@ def interleaved(result: dict, out: Path, vllm: Path, model_dir: str, prompts: Pa
                     log(f"  round {round_ + 1} {name} c={c}: {level['output_throughput']:.2f} tok/s")
             for server in result["servers"].values():
                 for c, runs in server["rounds"].items():
-                    server["levels"][c] = sorted(runs, key=lambda r: r["output_throughput"])[len(runs) // 2]
+                    # the lower middle round (of two rounds, the slower)
+                    server["levels"][c] = sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2]
             (out.parent / f"{out.name}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
@@ -280,7 +283,7 @@ def interleaved_report(result: dict, levels: list[int]) -> str:
             runs, plain = server["rounds"][str(c)], servers["vllm"]["rounds"][str(c)]
             ratios = sorted(r["output_throughput"] / p["output_throughput"] for r, p in zip(runs, plain, strict=True))
             lines.append(f"| {name} | c={c} | " + ", ".join(f"{r['output_throughput']:.2f}" for r in runs)
-                         + f" | {ratios[len(ratios) // 2]:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
+                         + f" | {statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
                          + ", ".join(f"{r['median_tpot_ms']:.0f}" for r in runs) + " |")
     lines += ["", "Prompts: " + ", ".join(meta["prompts"]) + "."]
     return "\n".join(lines)
