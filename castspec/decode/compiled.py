@@ -7,9 +7,10 @@ cache's columns change every step, and on a CPU (no CUDA graphs to capture) one 
 them all without padding; a size of one is still traced apart, so two graphs are compiled (one token in all, an
 AR step of one row; and the rest). What Inductor cannot see into stays one opaque op each: the batched tree
 attention (`castspec::attend`: the trees batched, prompt chunks each on its own) and oneDNN's linear over pre-packed
-weights (`castspec::packed_linear`). Prompt chunks carried by a decode step run in the same graph (a prompt joining
-a running batch would otherwise make every step it rides eager, ~1.5x a compiled step's time on the 1.5B target);
-forwards of prompt chunks alone (a first prompt, a batch starting) run eagerly (`ragged.forward`)."""
+weights (`castspec::packed_linear`). Prompt chunks carried by a decode step run in the same graph: a prompt joining
+a running batch would otherwise make every step it rides eager (5-14 ms slower a step on the 1.5B target,
+bench/conversations/README.md). Forwards of prompt chunks alone (a first prompt, a batch starting) run eagerly
+(`ragged.forward`)."""
 
 from __future__ import annotations
 

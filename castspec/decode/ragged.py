@@ -202,10 +202,10 @@ def plan(cache: SlotCache, trees: list[tuple[int, DraftTree]], chunks: list[tupl
     if small:  # the batched attention reads every row of it as wide as the widest tree
         need = max(need, max(cache.fill[slot] for _, slot, _ in small) + max(len(t) for _, _, t in small))
     cache.ensure(max(int(s[0]) for s in slots) + 1, need)
-    own = _Chunks(torch.tensor(bounds, dtype=torch.long).reshape(-1),
-                  torch.cat(masks).to(device) if masks else torch.zeros(0, dtype=torch.bool, device=device))
+    alone = _Chunks(torch.tensor(bounds, dtype=torch.long).reshape(-1),
+                    torch.cat(masks).to(device) if masks else torch.zeros(0, dtype=torch.bool, device=device))
     batch = RaggedBatch(torch.cat(slots).to(device), torch.cat(columns).to(device), _group(cache, small, device),
-                        own)
+                        alone)
     return torch.cat(tokens)[None].to(device), torch.cat(positions)[None].to(device), batch
 
 
