@@ -36,7 +36,7 @@ class HeapTrimmer:
         self.every_s = every_s
         self._trim = _libc_trim()
         self._last = time.monotonic()
-        self.trims, self.seconds = 0, 0.0
+        self.trims = 0
 
     @property
     def available(self) -> bool:
@@ -49,5 +49,4 @@ class HeapTrimmer:
         self._trim(0)
         self._last = time.monotonic()
         self.trims += 1
-        self.seconds += self._last - now
         return True
