@@ -326,10 +326,11 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
     lm.to(device).eval()
     if prepack:
         from castspec.costs.table import machine_label
+        from castspec.decode.prepack import fuse_linears
         from castspec.decode.prepack import prepack as prepack_linears
 
         start = time.perf_counter()
-        key = f"{machine_label()} {Path(source).name} {dtype}"
+        key = f"{machine_label()} {Path(source).name} {dtype}" + (" fused" if fuse_linears() else "")
         remembered = _row_kernel_timings(key)
         if count := prepack_linears(lm, row_speedups=remembered):
             from castspec.decode.row_linear import load_seconds
@@ -338,8 +339,11 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
                 _remember_row_kernel(key, lm.castspec_row_speedups)
             built = f", the row kernel compiled in {load_seconds[0]:.0f} s" if sum(load_seconds) > 5 else ""
             load_seconds.clear()  # said once per process
+            fused = (f", {lm.castspec_fused} of them stacked with the siblings that read the same input (q/k/v, "
+                     "gate/up; CASTSPEC_FUSE_LINEARS=0: each alone)") if lm.castspec_fused else ""
             log(f"{Path(source).name}: {count} linear layers packed for this CPU's matrix units "
-                f"in {time.perf_counter() - start:.1f} s{built} (--no-prepack: as loaded)" + _row_kernel_words(lm))
+                f"in {time.perf_counter() - start:.1f} s{built}{fused} (--no-prepack: as loaded)"
+                + _row_kernel_words(lm))
     if compile:
         from castspec.decode.compiled import compile_target
 

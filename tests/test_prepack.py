@@ -57,7 +57,8 @@ def test_bf16_is_packed_by_default_with_the_same_parameters_and_logits():
     stock_key, packed_key = setup_key(stock), setup_key(packed)
     limit = packed.castspec_row_limit
     rows = "+row-kernel" + (f"-{limit}-rows" if limit > 1 else "") if limit else ""
-    assert packed_key.pop("linears") == "onednn-prepacked" + rows and packed_key == stock_key
+    fused = "+fused" if packed.castspec_fused else ""
+    assert packed_key.pop("linears") == "onednn-prepacked" + rows + fused and packed_key == stock_key
     ids = torch.tensor([tokenizer(PROMPTS[2] + PROMPTS[6]).input_ids])
     with torch.inference_mode():
         want, got = stock(ids).logits.float(), packed(ids).logits.float()
@@ -185,3 +186,57 @@ def test_gradients_flow_through_a_packed_layer_as_through_nn_linear():
     torch.testing.assert_close(x.grad, want)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x.detach()), plain(x.detach()), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(row_kernel() is None, reason=f"no row kernel on this CPU ({build_error or 'no AVX512-BF16'})")
+def test_siblings_reading_one_input_share_one_row_kernel_product_and_give_what_each_gives_alone(monkeypatch):
+    """For the row kernel, q/k/v and gate/up weights are stacked (one product per group in a forward of a few
+    rows; oneDNN keeps a packed weight per layer): logits equal bit for bit those of the same model with each
+    layer alone, at every row count, and the parameters are the same."""
+    import castspec.decode.prepack as prepack_module
+
+    fused, tokenizer = load_model("smollm2-135m", "bf16")
+    monkeypatch.setenv("CASTSPEC_FUSE_LINEARS", "0")
+    alone, _ = load_model("smollm2-135m", "bf16")
+    limit, layers = fused.castspec_row_limit, len(fused.model.layers)
+    if not limit:
+        pytest.skip("the row kernel did not pay for this model here: nothing is stacked")
+    assert fused.castspec_fused == 5 * layers and alone.castspec_fused == 0
+    assert model_identity(fused) == model_identity(alone) and setup_key(fused)["linears"].endswith("+fused")
+    products = []
+    kernel = row_kernel()
+    monkeypatch.setattr(prepack_module, "row_kernel", lambda: lambda *a: products.append(a[1].shape) or kernel(*a))
+    ids = torch.tensor([tokenizer(PROMPTS[2] + PROMPTS[6]).input_ids])
+    alone.castspec_row_limit = limit
+    for module in alone.modules():
+        if isinstance(module, PrepackedLinear):
+            module.row_limit = limit  # both at the same limit (each load timed its own)
+    with torch.inference_mode():
+        for rows in (*range(1, limit + 1), limit + 1, ids.shape[1]):
+            products.clear()
+            got = fused(ids[:, :rows]).logits
+            if rows <= limit:  # qkv, o, gate/up, down a layer, then the output layer
+                assert len(products) == 4 * layers + 1
+            assert torch.equal(got, alone(ids[:, :rows]).logits), rows
+
+
+@pytest.mark.skipif(row_kernel() is None, reason=f"no row kernel on this CPU ({build_error or 'no AVX512-BF16'})")
+def test_a_stacked_sibling_called_alone_or_on_another_input_computes_its_own_columns():
+    torch.manual_seed(0)
+    plain = [nn.Linear(48, out).to(torch.bfloat16) for out in (32, 8, 8)]
+    q, k, v = PrepackedLinear.fuse(plain)
+    for layer in (q, k, v):
+        layer.row_limit = 4
+    x, y = torch.randn(2, 48, dtype=torch.bfloat16), torch.randn(2, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = [[row_kernel()(t, layer.weight, layer.bias) for layer in plain] for t in (x, y)]
+        assert torch.equal(q(x), want[0][0])
+        assert torch.equal(k(y), want[1][1])  # a new input while x's product is kept: y's own product
+        assert torch.equal(v(x), want[0][2])
+        assert torch.equal(v(x), want[0][2])  # again, after every sibling was served: computed again
+        assert all(torch.equal(a, b) for a, b in zip([q(y), k(y), v(y)], want[1], strict=True))
+        wide = torch.randn(6, 48, dtype=torch.bfloat16)  # past the row limit: oneDNN over each layer's own weight
+        torch.testing.assert_close(k(wide), plain[1](wide), atol=0.05, rtol=0.02)
+    assert torch.equal(k.weight, plain[1].weight)
+    assert sum(p.numel() for layer in (q, k, v) for p in layer.parameters()) == sum(
+        p.numel() for layer in plain for p in layer.parameters())

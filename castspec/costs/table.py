@@ -86,7 +86,9 @@ def setup_key(model, dtype: torch.dtype | None = None) -> dict:
     if is_prepacked(model):  # faster forwards than the same model's unpacked: tables of its own
         key["linears"] = "onednn-prepacked"
         if limit := getattr(model, "castspec_row_limit", 0):  # forwards of a few rows by castspec's kernel: faster
-            key["linears"] = "onednn-prepacked+row-kernel" + (f"-{limit}-rows" if limit > 1 else "")
+            key["linears"] += "+row-kernel" + (f"-{limit}-rows" if limit > 1 else "")
+        if getattr(model, "castspec_fused", 0):  # siblings' weights stacked (one call for q/k/v): faster again
+            key["linears"] += "+fused"
     if is_compiled(model):  # likewise for a compiled decode forward
         key["forward"] = "compiled"
     return key
