@@ -240,3 +240,13 @@ def test_a_stacked_sibling_called_alone_or_on_another_input_computes_its_own_col
     assert torch.equal(k.weight, plain[1].weight)
     assert sum(p.numel() for layer in (q, k, v) for p in layer.parameters()) == sum(
         p.numel() for layer in plain for p in layer.parameters())
+
+
+def test_free_memory_counts_the_page_cache_the_system_can_drop():
+    """The row kernel's memory bound reads what the system can hand out (MemAvailable), not free pages alone: a
+    page cache full of model files once turned the kernel off with ~20 GB available."""
+    import os
+
+    from castspec.decode.prepack import _free_bytes
+
+    assert _free_bytes() >= 0.99 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

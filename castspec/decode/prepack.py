@@ -12,6 +12,7 @@ kernels, which are the ones Hugging Face's own greedy decoding runs (the exactne
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -274,6 +275,13 @@ ROW_KERNEL_MIN_FREE = 2 << 30
 
 
 def _free_bytes() -> int:
+    """Memory the system can still hand out: Linux's MemAvailable (free pages plus the page cache it can drop).
+    Free pages alone were below the bound whenever the page cache held model files (a vLLM server up beside
+    castspec's, bench/peer-vllm): the row kernel was turned off with ~20 GB available."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
