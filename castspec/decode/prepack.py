@@ -239,7 +239,8 @@ def prepack(model: nn.Module, dtypes: tuple[torch.dtype, ...] = tuple(PACKABLE),
         first = [m for m in packed[:max(7, len(packed) // 4)] if m.dense is None]
         speedups = row_speedups or {count: rows_pay(first, count) for count in ROW_COUNTS}
         model.castspec_row_speedups = speedups
-        limit = kernel_rows(speedups) if _free_bytes() > ROW_KERNEL_MIN_FREE else 0
+        timed = {count: speedup for count, speedup in speedups.items() if count in ROW_COUNTS}  # (older files: 4)
+        limit = kernel_rows(timed) if _free_bytes() > ROW_KERNEL_MIN_FREE else 0
         model.castspec_row_limit = limit
         for module in packed:
             module.row_limit = limit
