@@ -52,7 +52,8 @@ class PrepackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, keep_dense: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # columns start:end of a product packed with its siblings' (`fuse`), or None: the layer's own product
+        # with `fuse`: the layer's columns start:end of the row kernel's product over its siblings' stacked dense
+        # weights (`row_weight`); None: the layer's own product
         self.part: tuple[int, int, int, int] | None = None  # (product's number, start, end, siblings sharing it)
         self.row_bias: torch.Tensor | None = None  # with `part`: the siblings' biases stacked like `row_weight`
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_FOR_ROWS)
