@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from castspec.costs.prefill import PREFILL_SLACK, prefill_schedule
+from castspec.costs.prefill import PREFILL_AT_ONCE, PREFILL_SLACK, prefill_schedule
 from castspec.costs.probe import MODEL_FREE, find_cost_table, online_cost_model
 from castspec.costs.table import CostTable, model_identity, setup_key
 from castspec.decode.constraints import GrammarCompiler, grammar_from_response_format
@@ -273,14 +273,16 @@ class Engine:
         return engine
 
     def stepper(self, max_batch_size: int = 8, max_waiting: int | None = None, prefix_cache_gb: float = 0.0,
-                prefill_chunk: int | str | None = None, prefill_slack: float = PREFILL_SLACK) -> StepEngine:
+                prefill_chunk: int | str | None = None, prefill_slack: float = PREFILL_SLACK,
+                prefill_at_once: float = PREFILL_AT_ONCE) -> StepEngine:
         """A stepping engine over this engine's target, drafter and policy (continuous batching; the server's).
         `prefix_cache_gb` > 0: joining prompts reuse earlier sequences' KV, up to that many GiB kept;
         `prefill_chunk`: prompt tokens prefilled per step while other rows decode (None: a joining prompt at once;
-        "auto": as many as keep such a step within `prefill_slack` decode steps, learnt from the steps' times)."""
+        "auto": as many as keep such a step within `prefill_slack` decode steps, learnt from the steps' times, and
+        a prompt whose prefill costs at most `prefill_at_once` decode steps whole)."""
         cache = PrefixCache(gigabytes(prefix_cache_gb)) if prefix_cache_gb > 0 else None
         return StepEngine(self.target, self.drafter, self.policy, self.tokenizer, self.eos_ids, max_batch_size,
-                          max_waiting, cache, prefill_schedule(prefill_chunk, prefill_slack))
+                          max_waiting, cache, prefill_schedule(prefill_chunk, prefill_slack, prefill_at_once))
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -116,3 +116,32 @@ def test_a_carrying_step_is_compared_with_decode_steps_of_its_own_batch_size():
     # 0.5 * 0.5 s / 5 ms; against one row's 0.2 s the three rows' own extra 0.3 s would be priced as prompt tokens
     assert settle_at_three[-1] == 50
     assert budget.decode_seconds(2) == 0.2 and budget.decode_seconds(8) == 0.5  # the nearest timed (ties: fewer)
+
+
+def test_a_prompt_that_costs_at_most_at_once_decode_steps_goes_whole_a_longer_one_by_chunks():
+    budget = PrefillBudget(slack=1.5, at_once=8)
+    assert budget.budget(100, rows=3) == FIRST_TOKENS  # nothing priced yet: a chunk
+    settle(budget, lambda k: 0.125 + 0.005 * k)  # a 125 ms decode step, 5 ms a prompt token: chunks of 12
+    assert budget.tokens == 12
+    assert budget.budget(195, rows=1) == 195  # 0.975 s: under 8 decode steps (200 tokens)
+    assert budget.budget(205, rows=1) == 12
+    assert budget.budget(5, rows=1) == 12  # never less than the chunk
+    assert f"prompts of up to {int(8 * 0.125 / budget.token_s)} at once" in budget.describe()
+    assert PrefillBudget(at_once=0).budget(1, rows=1) == FIRST_TOKENS
+
+
+def test_a_prompt_taken_at_once_is_priced_at_its_own_cost_not_cut_as_a_stall():
+    budget = PrefillBudget(slack=1.5, at_once=8)
+    settle(budget, lambda k: 0.125 + 0.005 * k)
+    budget.observe(0.125, 0)
+    budget.observe(0.125 + 0.005 * 180, 180)  # 180 tokens at once: 7.2 decode steps added, as priced
+    assert budget.token_s == pytest.approx(0.005)
+    budget.observe(0.125 + 0.05 * 180, 180)  # ten times what was priced: a stall, counted as four times that
+    assert budget.token_s < 0.005 * 4
+
+
+@pytest.mark.parametrize("at_once", [-1, True, "8"])
+def test_an_at_once_that_is_not_a_count_of_decode_steps_is_refused(at_once):
+    with pytest.raises(CastspecError, match="prefill at once"):
+        prefill_schedule("auto", 1.5, at_once)
+    assert prefill_schedule("auto", 1.5, 3).at_once == 3.0

@@ -172,7 +172,7 @@ def test_chunks_sized_by_time_decode_as_alone_and_grow_at_most_twofold(smollm, s
                                                                        method):
     model, tokenizer = smollm
     engine = dict(engines(model, tokenizer, random_head))[method]
-    stepper = engine.stepper(max_batch_size=3, prefill_chunk="auto")
+    stepper = engine.stepper(max_batch_size=3, prefill_chunk="auto", prefill_at_once=0)  # every prompt by chunks
     assert stepper.prefill_chunk.tokens == FIRST_TOKENS
     prompts = [engine.encode(prompt=p) for p in (PROMPTS[0], LONG, PROMPTS[3])]
     carried = carried_chunks(join_while_running(stepper, smollm_reference, {
@@ -180,6 +180,17 @@ def test_chunks_sized_by_time_decode_as_alone_and_grow_at_most_twofold(smollm, s
     assert carried[0] == FIRST_TOKENS and len(carried) >= 2
     assert all(later <= 2 * earlier for earlier, later in itertools.pairwise(carried))
     assert stepper.prefill_chunk.token_s is not None  # it priced the carried tokens from the steps' times
+
+
+def test_a_prompt_that_costs_a_few_decode_steps_joins_in_one_step_and_decodes_as_alone(smollm, smollm_reference):
+    model, tokenizer = smollm
+    engine = Engine(model, tokenizer)
+    stepper = engine.stepper(max_batch_size=3, prefill_chunk="auto", prefill_at_once=1e6)  # any priced prompt
+    prompts = [engine.encode(prompt=p) for p in (PROMPTS[0], LONG, PROMPTS[3])]
+    carried = carried_chunks(join_while_running(stepper, smollm_reference, {
+        0: [("a", prompts[0], 60)], 3: [("long", prompts[1], 12)], 40: [("c", prompts[2], 10)]}))
+    # the first chunk of "long" went before any price was known, its rest at once; "c" whole, in one step beside "a"
+    assert carried == [FIRST_TOKENS, len(prompts[1]) - FIRST_TOKENS, len(prompts[2])]
 
 
 def test_an_aborted_half_prefilled_request_leaves_and_the_others_go_on(smollm, smollm_reference):

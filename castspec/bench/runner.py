@@ -50,7 +50,7 @@ DRAFTER_OPTIONS = {d: ("max_n", "min_n") if d.endswith("ngram") else ("depth", "
                    for d in ITEM_DRAFTERS if d.endswith(("ngram", "suffix"))}
 # what a server runs besides its method (castspec serve's --prefix-cache-gb, --prefill-chunk, --prefill-slack):
 # bench-serve only
-SERVER_OPTIONS = ("prefix_cache_gb", "prefill_chunk", "prefill_slack")
+SERVER_OPTIONS = ("prefix_cache_gb", "prefill_chunk", "prefill_slack", "prefill_at_once")
 
 
 def _parse_item(item: str) -> MethodSpec:

@@ -36,7 +36,8 @@ WARM_UP = {"id": "warm-up", "messages": [{"role": "user", "content": "Say hello.
 CLI_FLAGS = {"chain_length": "--chain-length", "top_k": "--top-k", "depth": "--depth",
              "total_tokens": "--total-tokens", "cast_c1": "--cast-c1", "cast_c2": "--cast-c2", "cast_c3": "--cast-c3",
              "cast_r": "--cast-r", "cast_max_depth": "--cast-max-depth", "prefix_cache_gb": "--prefix-cache-gb",
-             "prefill_chunk": "--prefill-chunk", "prefill_slack": "--prefill-slack"}
+             "prefill_chunk": "--prefill-chunk", "prefill_slack": "--prefill-slack",
+             "prefill_at_once": "--prefill-at-once"}
 
 
 def free_port() -> int:

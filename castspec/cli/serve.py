@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from castspec.cli.options import engine_args, engine_options, load_engine, policy_args
-from castspec.costs.prefill import PREFILL_SLACK, prefill_schedule
+from castspec.costs.prefill import PREFILL_AT_ONCE, PREFILL_SLACK, prefill_schedule
 from castspec.errors import CastspecError
 
 PREFIX_CACHE_GB = 2.0
@@ -46,6 +46,10 @@ def register(sub) -> None:
                        help="with --prefill-chunk auto: how many decode steps' time a step carrying prompt tokens "
                             "may take, i.e. the running requests' worst gap between tokens "
                             f"(default {PREFILL_SLACK:g})")
+    serve.add_argument("--prefill-at-once", type=float, default=PREFILL_AT_ONCE,
+                       help="with --prefill-chunk auto: a joining prompt whose prefill costs at most this many decode "
+                            "steps goes in one step (a place in the batch waits for no chunks); longer ones by "
+                            f"chunks; 0: every prompt by chunks (default {PREFILL_AT_ONCE:g})")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
     policy_args(serve)
     ray_group = serve.add_argument_group("scale out on Ray Serve (pip install 'castspec[ray]'; docs/ray-serve.md)")
@@ -78,7 +82,8 @@ def run_serve(args) -> None:
             raise CastspecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.prefix_cache_gb < 0:
         raise CastspecError(f"--prefix-cache-gb must be >= 0 (0: off), got {args.prefix_cache_gb:g}")
-    prefill_schedule(args.prefill_chunk, args.prefill_slack)  # refused here in one line, before minutes of loading
+    # a bad schedule is refused here in one line, before minutes of loading
+    prefill_schedule(args.prefill_chunk, args.prefill_slack, args.prefill_at_once)
     if not 0 < args.port < 65536:
         raise CastspecError(f"--port must be in 1..65535, got {args.port}")
     name = args.served_model_name or args.model
@@ -87,12 +92,13 @@ def run_serve(args) -> None:
     def load():  # the engine thread is then the only one with torch's OpenMP workers (in_passing_thread)
         engine = load_engine(args)
         return engine, engine.stepper(args.max_batch_size, args.max_waiting, args.prefix_cache_gb,
-                                      args.prefill_chunk, args.prefill_slack)
+                                      args.prefill_chunk, args.prefill_slack, args.prefill_at_once)
 
     engine, stepper = in_passing_thread(load)
     loop = EngineLoop(stepper, ServerMetrics(name), args.trace)
     server = Server(loop, engine.tokenizer, name, engine.target.max_positions, args.max_waiting)
-    joining = {"auto": f"by chunks sized by time (<= {args.prefill_slack:g} decode steps)", 0: "whole"}.get(
+    joining = {"auto": f"whole when they cost <= {args.prefill_at_once:g} decode steps, else by chunks sized by "
+                       f"time (<= {args.prefill_slack:g} decode steps)", 0: "whole"}.get(
         args.prefill_chunk, f"by chunks of {args.prefill_chunk} tokens")
     print(f"castspec: serving {name!r} on http://{args.host}:{args.port}/v1; {engine.choice}"
           + (f" ({engine.policy.describe()})" if engine.policy else "") + f"; prompts join {joining}",
@@ -109,7 +115,7 @@ def _serve_on_ray(args, name: str) -> None:
     config = ReplicaConfig(engine_options(args), name, args.max_batch_size, args.max_waiting,
                            threads=max(1, int(args.replica_cpus)), trace=args.trace,
                            prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=args.prefill_chunk,
-                           prefill_slack=args.prefill_slack)
+                           prefill_slack=args.prefill_slack, prefill_at_once=args.prefill_at_once)
     replicas = 1 if args.replicas is None else args.replicas  # --ray-address alone: one replica on the cluster
     scale = ScaleConfig(replicas, args.replica_cpus, args.replica_gpus, args.max_ongoing_requests, args.min_replicas,
                         args.max_replicas, args.target_ongoing_requests)

@@ -483,7 +483,9 @@ class StepEngine:
         t1 = _clock(target.device)
         lap("draft")
         # the joining prompts' next tokens ride in the same forward (the weights are read once for both)
-        chunk = self.prefill_chunk.tokens if isinstance(self.prefill_chunk, PrefillBudget) else self.prefill_chunk
+        chunk = self.prefill_chunk
+        if isinstance(chunk, PrefillBudget):  # a short prompt whole, a long one by chunks
+            chunk = chunk.budget(next((p.left for p in self.prefills if not p.complete), 0), len(rows))
         logits, verified_features, prompt_tokens = target.forward(trees, self.prefills, chunk, self.layers)
         lap("verify")
         results = [accept(tree, logits[i][: len(tree)], s.sampling, s.generator, s.constraint)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from castspec.costs.prefill import PREFILL_SLACK
+from castspec.costs.prefill import PREFILL_AT_ONCE, PREFILL_SLACK
 from castspec.errors import CastspecError
 
 try:
@@ -59,6 +59,7 @@ class ReplicaConfig:
     prefix_cache_gb: float = 0.0  # each replica keeps its own
     prefill_chunk: int | str | None = None  # tokens, "auto" (sized by time) or None (a prompt at once)
     prefill_slack: float = PREFILL_SLACK
+    prefill_at_once: float = PREFILL_AT_ONCE
 
 
 @dataclass
@@ -196,7 +197,7 @@ class CastspecReplica:
         engine = await asyncio.to_thread(in_passing_thread, lambda: Engine.load(**config.engine))
         name = config.served_model_name
         stepper = engine.stepper(config.max_batch_size, config.max_waiting, config.prefix_cache_gb,
-                                 config.prefill_chunk, config.prefill_slack)
+                                 config.prefill_chunk, config.prefill_slack, config.prefill_at_once)
         loop = EngineLoop(stepper, ServerMetrics(name),
                           _replica_trace(config.trace, self.replica))
         self.server = Server(loop, engine.tokenizer, name, engine.target.max_positions, config.max_waiting)
