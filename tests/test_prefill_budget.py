@@ -120,14 +120,20 @@ def test_a_carrying_step_is_compared_with_decode_steps_of_its_own_batch_size():
 
 def test_a_prompt_that_costs_at_most_at_once_decode_steps_goes_whole_a_longer_one_by_chunks():
     budget = PrefillBudget(slack=1.5, at_once=8)
-    assert budget.budget(100, rows=3) == FIRST_TOKENS  # nothing priced yet: a chunk
+    assert budget.budget(100, rows=3) == 0  # no decode step alone timed: one without prompt tokens first
+    budget.observe(0.125, 0, rows=3)
+    assert budget.budget(100, rows=3) == FIRST_TOKENS  # the price of a token not known yet: a chunk
     settle(budget, lambda k: 0.125 + 0.005 * k)  # a 125 ms decode step, 5 ms a prompt token: chunks of 12
     assert budget.tokens == 12
     assert budget.budget(195, rows=1) == 195  # 0.975 s: under 8 decode steps (200 tokens)
     assert budget.budget(205, rows=1) == 12
     assert budget.budget(5, rows=1) == 12  # never less than the chunk
+    assert budget.budget(150, rows=1, uncached=2000) == 12  # the tail of a long prompt: still a chunk
+    assert budget.budget(150, rows=1, uncached=160) == 150  # a short prompt after a first chunk: the rest at once
     assert f"prompts of up to {int(8 * 0.125 / budget.token_s)} at once" in budget.describe()
-    assert PrefillBudget(at_once=0).budget(1, rows=1) == FIRST_TOKENS
+    never_whole = PrefillBudget(at_once=0)
+    never_whole.observe(0.125, 0)
+    assert never_whole.budget(1, rows=1) == FIRST_TOKENS
 
 
 def test_a_prompt_taken_at_once_is_priced_at_its_own_cost_not_cut_as_a_stall():

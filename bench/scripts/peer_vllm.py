@@ -12,10 +12,12 @@ set: prompts no earlier sitting ran or tuned on (`castspec bench` and the peer s
 Server `vllm-ngram` is vLLM with its own n-gram speculation (4 tokens), with Intel OpenMP preloaded as its CPU
 speculation asks (`LD_PRELOAD`, when the venv holds libiomp5).
 
-With `--interleave R` the servers named (two or three: they must fit in memory together) are started one after
-another and then all kept up, idle but for the one being loaded, and loaded in R rounds, the order turned every
-round: this machine's speed drifts by 20 % over minutes (the same forward timed 125 ms, then 154 ms three minutes
-later, bench/peer-vllm/README.md), so one server after another compares two moments as much as two servers. Each
+With `--interleave R` the servers named (two or three: they must fit in memory together; in 24 GiB three 1.5B
+servers fit only with castspec's row kernel off, CASTSPEC_ROW_KERNEL=0: with it on, memory ran out and steps
+took seconds) are started one after another and then all kept up, idle but for the one being loaded, and loaded
+in R rounds, the order turned every round: this machine's speed drifts by 20 % over minutes (the same forward
+timed 125 ms, then 154 ms three minutes later, bench/peer-vllm/README.md), so one server after another compares
+two moments as much as two servers. Each
 round's ratio to vLLM plain (or, without a server named vllm, to the first server named) is taken between loads
 minutes apart, and the report gives their median and range. Both servers keep earlier requests' KV by default, so
 rounds after the first find their prompts cached; `--cold` turns that off on every server (each round prefills

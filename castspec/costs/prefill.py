@@ -88,12 +88,19 @@ class PrefillBudget:
         fits = (self.slack - 1) * decode_s / self.token_s
         self.tokens = int(min(max(fits, self.tokens / 2, 1), self.tokens * 2, MAX_TOKENS))
 
-    def budget(self, left: int, rows: int) -> int:
+    def budget(self, left: int, rows: int, uncached: int | None = None) -> int:
         """Prompt tokens the next step over `rows` decoding rows may carry, the first joining prompt having `left`
-        tokens to go: all of them when they cost at most `at_once` decode steps at the price learnt so far (the
-        joining row then decodes from the next step on), else the chunk that keeps the step within the slack."""
+        tokens to go of the `uncached` (default `left`) it prefills in all: the `left` when all `uncached` cost at
+        most `at_once` decode steps at the price learnt so far (the joining row then decodes from the next step
+        on), else the chunk that keeps the step within the slack; none before a decode step alone has been timed.
+        A long prompt's last chunks stay chunks: its tail taken at once would be one long step after all."""
         token_s, decode_s = self.token_s, self.decode_seconds(rows)
-        if token_s is not None and decode_s is not None and left * token_s <= self.at_once * decode_s:
+        if decode_s is None:
+            # no decode step alone timed yet (requests arriving together, each joining while the first decodes):
+            # one step without prompt tokens, so that the next one's chunk can be priced and short prompts go whole
+            # after that (a trace at 4 clients otherwise carried chunks of 16 for the first 25 steps)
+            return 0
+        if token_s is not None and (left if uncached is None else uncached) * token_s <= self.at_once * decode_s:
             return max(left, self.tokens)
         return self.tokens
 

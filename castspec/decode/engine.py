@@ -485,7 +485,8 @@ class StepEngine:
         # the joining prompts' next tokens ride in the same forward (the weights are read once for both)
         chunk = self.prefill_chunk
         if isinstance(chunk, PrefillBudget):  # a short prompt whole, a long one by chunks
-            chunk = chunk.budget(next((p.left for p in self.prefills if not p.complete), 0), len(rows))
+            first = next((p for p in self.prefills if not p.complete), None)
+            chunk = 0 if first is None else chunk.budget(first.left, len(rows), len(first.prompt) - first.cached)
         logits, verified_features, prompt_tokens = target.forward(trees, self.prefills, chunk, self.layers)
         lap("verify")
         results = [accept(tree, logits[i][: len(tree)], s.sampling, s.generator, s.constraint)
