@@ -10,9 +10,11 @@ Chunks have a price besides the running rows' latency: the joining row decodes n
 so a prompt spread over many steps leaves a place in the batch idle for all of them. On the 2-core EPYC a prompt
 token in a decode step cost ~5 ms beside a 127 ms step, so slack 1.5 carried ~13 tokens a step and a 150-token
 prompt joined over ~10 steps; with four clients that made 356 steps of 3.2 rows where whole prompts made ~300
-steps, 17.1 against 21.0 tok/s (bench/serve-load/prefill-schedule-cold-*). So a prompt whose rest costs at most
+steps, 17.1 against 21.0 tok/s (bench/serve-load/prefill-schedule-cold-*). So a prompt that costs at most
 `at_once` decode steps is prefilled in one step (one gap of that length, as vLLM's whole-prompt prefill gives);
-longer prompts (the 2k-token one of issue 39's latency bar) still go by chunks within the slack."""
+longer prompts (the 2k-token one of issue 39's latency bar) still go by chunks within the slack. A first default of
+8 steps still left prompts of 250-500 tokens to 25-40 chunks of ~10 tokens in a fast phase of the machine (95 ms
+decode steps), with castspec's AR at 0.79x vLLM at four clients (bench/peer-vllm/interleaved-cold-c4-fixed-*)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from collections import deque
 from castspec.errors import CastspecError
 
 PREFILL_SLACK = 1.5  # a step carrying prompt tokens takes at most this many decode steps (issue 39: ITL p99 < 2x)
-PREFILL_AT_ONCE = 8.0  # a prompt whose rest costs at most this many decode steps joins in one step
+PREFILL_AT_ONCE = 32.0  # a prompt that costs at most this many decode steps joins in one step: on the EPYC the
+# benchmark's prompts (up to ~500 tokens, 20-30 steps) go whole, a 2k-token one (80-120 steps) by chunks
 FIRST_TOKENS = 16  # before anything is measured
 MAX_TOKENS = 8192
 MIN_TOKEN_SHARE = 1e-3  # of a decode step: the least a prompt token is priced at
