@@ -73,6 +73,22 @@ def test_step_timer_accounts_for_every_step_and_forward(tiny):
     assert not tiny.target._forward_hooks and not tiny.target._forward_pre_hooks
 
 
+def test_a_compiled_target_s_forwards_are_timed_as_target_forwards_and_it_stays_compiled():
+    from castspec.decode.compiled import compile_target, is_compiled
+
+    models = random_models("tiny", seed=1)
+    prompts = random_prompts(models.target.config.vocab_size, 2, 24)
+    specs = parse_methods("ar;eagle2:draft:top_k=2,depth=3,total_tokens=6")
+    eager_ar, _ = measure_method(models, specs[0], 2, prompts, 10)
+    assert compile_target(models.target) is not None
+    for spec in specs:
+        outputs, steps = measure_method(models, spec, 2, prompts, 10)
+        assert outputs == eager_ar  # the compiled path's AR and tree decoding give the eager AR's tokens
+        # each step's verify ran the compiled forward, past the model's hooks: it is still counted, once
+        assert steps and all(s["target_forwards"] == 1 and 0 < s["target_forward_s"] <= s["verify"] for s in steps)
+    assert is_compiled(models.target) and type(models.target.castspec_compiled).__name__ == "_CompiledForward"
+
+
 def test_overhead_rows_are_lossless_and_complete(tiny):
     specs = parse_methods("ar;chain:draft:chain_length=3;eagle2:head:top_k=2,depth=2,total_tokens=4;"
                           "eagle2:ngram:top_k=2,depth=2,total_tokens=4")

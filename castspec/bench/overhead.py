@@ -5,7 +5,9 @@ copy of the target, so that drafts are partly accepted and paths of several toke
 EAGLE head, then decodes random prompts with each method at each batch size under a `StepTimer`. Per step it
 reports the wall time, the time inside target and drafter forwards, and the rest, the host's bookkeeping, split
 by phase of the step. HF greedy and HF assisted generation run beside, timed the same way, as the outside
-reference. Every method's output is checked against AR's (greedy, so they must be equal).
+reference. Every method's output is checked against AR's (greedy, so they must be equal). The target's decode
+forward is compiled as `castspec serve` compiles it (`decode.compiled`; `--no-compile`: eager), and its compiled
+calls count as target forwards.
 
 Sizes: "tiny" (2 layers, 64 wide, SmolLM2's 49152-token vocabulary: a forward costs ~2-3 ms on one CPU thread,
 so the host work is most of a step, as it is beside a GPU forward) and "8b" (Llama-3-8B's geometry with a
@@ -26,6 +28,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from castspec.bench.runner import MethodSpec, method_parts
+from castspec.decode.compiled import is_compiled
 from castspec.decode.engine import StepEngine, StopCondition
 from castspec.decode.step_timer import PHASES, StepTimer
 from castspec.decode.target import Target
@@ -189,6 +192,8 @@ def measure_method(models: RandomModels, spec: MethodSpec, batch_size: int, prom
     engine = StepEngine(target, drafter, policy, max_batch_size=batch_size)
     _decode_timed(engine, prompts[:batch_size], min(16, max_new_tokens))  # warm-up: allocator, kernels
     timer = StepTimer(device, {"target": [models.target], "drafter": _drafter_modules(drafter)})
+    if is_compiled(models.target):  # the compiled forward is called as is, past the model's forward hooks
+        timer.time_calls(models.target, "castspec_compiled", "target_forward", count="target_forwards")
     model_drafter = drafter.primary if isinstance(drafter, NgramAugmentedDrafter) else drafter
     if isinstance(model_drafter, DraftModelDrafter):  # softmax and top-k over the vocabulary: device work
         timer.time_calls(model_drafter, "_candidates", "candidates")
@@ -287,6 +292,7 @@ def run_overhead(models: RandomModels, specs: list[MethodSpec], batch_sizes: lis
     return {"meta": {"size": models.size, "device": str(device), "dtype": str(next(models.target.parameters()).dtype),
                      "threads": torch.get_num_threads(), "prompts": max(prompts, max(batch_sizes)),
                      "prompt_length": prompt_length, "max_new_tokens": max_new_tokens,
+                     "compiled": is_compiled(models.target),
                      "date": time.strftime("%Y-%m-%d %H:%M")},
             "rows": rows}
 

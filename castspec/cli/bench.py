@@ -156,6 +156,10 @@ def run_bench_overhead(args) -> None:
         raise CastspecError(f"--device {args.device}: no CUDA device is available here")
     dtype = DTYPES[args.dtype or ("fp32" if args.device == "cpu" else "bf16")]
     models = random_models(args.overhead_size, args.device, dtype)
+    if wants_compile(args):  # the path a server runs (its compile time said in one line)
+        from castspec.decode.compiled import compile_target
+
+        compile_target(models.target, print)
     result = run_overhead(models, specs, sizes, max_new_tokens=args.max_new_tokens, progress=print)
     result["meta"]["machine"] = machine_label()
     command = command_line()
@@ -165,7 +169,8 @@ def run_bench_overhead(args) -> None:
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     table = overhead_table(result["rows"])
     meta = result["meta"]
-    title = (f"host overhead per step: random {meta['size']} models, {meta['dtype']} on {meta['device']} "
+    title = (f"host overhead per step: random {meta['size']} models, {meta['dtype']} on {meta['device']}, "
+             f"target {'compiled' if meta['compiled'] else 'eager'} "
              f"({meta['machine']}), {meta['prompts']} prompts x {meta['max_new_tokens']} tokens, {meta['date']}")
     (out / f"{args.name}.md").write_text(
         f"# {title}\n\n`{command}`\n\nms per decoding step (HF rows: per target forward). host = wall - target "

@@ -27,15 +27,16 @@ class StepTimer:
         self._last = 0.0
         self._running: tuple[nn.Module, float] | None = None  # the outermost timed module now running
         self._handles = []
-        self._patched: list[tuple[object, str]] = []
+        self._patched: list[tuple[object, str, object]] = []  # (owner, name, the instance attribute replaced)
         for kind, mods in modules.items():
             for module in mods:
                 self._handles.append(module.register_forward_pre_hook(self._enter))
                 self._handles.append(module.register_forward_hook(self._leave(kind)))
 
-    def time_calls(self, owner, name: str, key: str) -> None:
+    def time_calls(self, owner, name: str, key: str, count: str | None = None) -> None:
         """Also count the time inside `owner.name(...)` calls as `key` (device work outside a module, such as a
-        drafter's softmax and top-k over the vocabulary); undone by `close`."""
+        drafter's softmax and top-k over the vocabulary; a compiled forward, which module hooks do not see), and
+        the calls as `count` when given; undone by `close`."""
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
@@ -47,9 +48,13 @@ class StepTimer:
             finally:
                 started, self._running = self._running[1], None
                 self._current[f"{key}_s"] = self._current.get(f"{key}_s", 0.0) + self._now() - started
+                if count is not None:
+                    self._current[count] = self._current.get(count, 0) + 1
 
+        # an attribute of the instance itself (a compiled forward) is put back; a method shows its class's again
+        own = name in getattr(owner, "__dict__", {})
         setattr(owner, name, timed)
-        self._patched.append((owner, name))
+        self._patched.append((owner, name, original if own else None))
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -91,6 +96,9 @@ class StepTimer:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-        for owner, name in self._patched:
-            delattr(owner, name)  # the instance attribute goes; the class's method shows again
+        for owner, name, original in self._patched:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         self._handles, self._patched = [], []
