@@ -305,8 +305,9 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
                compile: bool = False):
     """Load a causal LM and its tokenizer; returns (model, tokenizer). With `prepack`, a CPU bf16 / fp16 model's
     linear layers hold their weights in oneDNN's blocked layout (`decode.prepack`: faster forwards, same
-    modules); fp32 models and other devices are left as loaded. With `compile`, its decode forward as a target
-    is compiled now (`decode.compiled`; a target's only: drafters run their own forwards)."""
+    modules), or where this CPU has no bf16 arithmetic a bf16 model's take castspec's AVX2 kernel
+    (`decode.widen_linear`); fp32 models and other devices are left as loaded. With `compile`, its decode forward
+    as a target is compiled now (`decode.compiled`; a target's only: drafters run their own forwards)."""
     if dtype not in DTYPES:
         raise CastspecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -328,6 +329,7 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
         from castspec.costs.table import machine_label
         from castspec.decode.prepack import fuse_linears
         from castspec.decode.prepack import prepack as prepack_linears
+        from castspec.decode.widen_linear import widen as widen_linears
 
         start = time.perf_counter()
         key = f"{machine_label()} {Path(source).name} {dtype}" + (" fused" if fuse_linears() else "")
@@ -344,6 +346,13 @@ def load_model(model: str, dtype: str = "bf16", device: str = "cpu", log: Log = 
             log(f"{Path(source).name}: {count} linear layers packed for this CPU's matrix units "
                 f"in {time.perf_counter() - start:.1f} s{built}{fused} (--no-prepack: as loaded)"
                 + _row_kernel_words(lm))
+        elif count := widen_linears(lm):  # bf16 on a CPU with no bf16 arithmetic (AVX2 only)
+            from castspec.decode.widen_linear import load_seconds
+
+            built = f", the kernel compiled in {load_seconds[0]:.0f} s" if sum(load_seconds) > 5 else ""
+            load_seconds.clear()
+            log(f"{Path(source).name}: {count} bf16 linear layers take castspec's AVX2 kernel (weights widened to "
+                f"fp32 in registers: this CPU has no bf16 arithmetic){built} (--no-prepack: aten's bf16 path)")
     if compile:
         from castspec.decode.compiled import compile_target
 

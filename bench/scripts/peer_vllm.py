@@ -24,7 +24,7 @@ rounds after the first find their prompts cached; `--cold` turns that off on eve
 its prompts as a first load of new prompts would).
 
 Run: .venv/bin/python bench/scripts/peer_vllm.py bench/peer-vllm/NAME [--concurrency 1,4] [--per-set 3]
-     [--servers vllm,vllm-ngram,castspec-ar,castspec-cast-ngram,castspec-cast-suffix] [--heldout-offset 3]
+     [--servers vllm,vllm-ngram,vllm-fp32,castspec-ar,castspec-cast-ngram,castspec-cast-suffix] [--heldout-offset 3]
      [--interleave 3 [--cold]] (writes NAME.json, NAME.md, NAME.png)"""
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ CASTSPEC_SERVERS = {"castspec-ar": ["--method", "ar"], "castspec-ar-eager": ["--
 # --cold: no server keeps earlier requests' KV, so that every round prefills its prompts as the first one did
 COLD = {"vllm": ["--no-enable-prefix-caching"], "castspec": ["--prefix-cache-gb", "0"]}
 VLLM_SERVERS = {"vllm": [], "vllm-ngram": ["--speculative-config", json.dumps(
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})]}
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})],
+                # where the CPU has no native bf16 (AVX2) fp32 weights may be the faster choice for either server
+                "vllm-fp32": ["--dtype", "float32"]}
 
 
 def log(message: str) -> None:
@@ -311,8 +313,15 @@ def interleaved_report(result: dict, levels: list[int]) -> str:
             lines.append(f"| {name} | c={c} | " + ", ".join(f"{r['output_throughput']:.2f}" for r in runs)
                          + f" | {statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
                          + ", ".join(f"{r['median_tpot_ms']:.0f}" for r in runs) + " |")
-    lines += ["", "Prompts: " + ", ".join(meta["prompts"]) + "."]
+    lines += ["", *flags_line(meta), "Prompts: " + ", ".join(meta["prompts"]) + "."]
     return "\n".join(lines)
+
+
+def flags_line(meta: dict) -> list[str]:
+    """The flags `--castspec` gave the servers it added (a `--dtype` there overrides the bf16 of the title)."""
+    added = meta.get("castspec_flags") or {}
+    return [("Added servers: " + "; ".join(f"{name} = `castspec serve {flags}`" for name, flags in added.items())
+             + ".")] if added else []
 
 
 def write_prompts(path: Path, rows: list[dict], output_len: int) -> Path:
@@ -331,7 +340,7 @@ def report(result: dict, levels: list[int]) -> str:
     if meta.get("heldout_prompts"):
         lines += ["", f"Held-out prompts ({', '.join(meta['heldout_prompts'])}), same servers, right after:", "",
                   *level_table(servers, "heldout", levels)]
-    lines += ["", "Prompts: " + ", ".join(meta["prompts"]) + ". Token totals per run: "
+    lines += ["", *flags_line(meta), "Prompts: " + ", ".join(meta["prompts"]) + ". Token totals per run: "
               + ", ".join(f"{n} c={c}: {s['levels'][str(c)]['total_output_tokens']}" for n, s in servers.items()
                           for c in levels) + "."]
     return "\n".join(lines)

@@ -25,6 +25,7 @@ import torch
 
 from castspec.decode.compiled import is_compiled
 from castspec.decode.prepack import is_prepacked
+from castspec.decode.widen_linear import is_widened
 from castspec.errors import CastspecError
 
 FORMAT = "castspec-cost-table/1"
@@ -89,6 +90,8 @@ def setup_key(model, dtype: torch.dtype | None = None) -> dict:
             key["linears"] += "+row-kernel" + (f"-{limit}-rows" if limit > 1 else "")
         if getattr(model, "castspec_fused", 0):  # siblings' weights stacked (one call for q/k/v): faster again
             key["linears"] += "+fused"
+    if is_widened(model):  # bf16 widened by castspec's AVX2 kernel: far faster than aten's bf16 path there
+        key["linears"] = "widened-avx2"
     if is_compiled(model):  # likewise for a compiled decode forward
         key["forward"] = "compiled"
     return key

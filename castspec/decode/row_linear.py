@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from castspec.decode.cpp_kernels import build
 
 SOURCE = Path(__file__).with_name("row_linear.cpp")
 
@@ -34,20 +34,8 @@ def row_kernel() -> Callable | None:
     kept in `build_error`)."""
     if os.environ.get("CASTSPEC_ROW_KERNEL", "1") == "0" or not torch.cpu._is_avx512_bf16_supported():
         return None
-    from torch.utils.cpp_extension import load
-
-    if shutil.which("ninja") is None:  # the `ninja` wheel's binary sits beside this Python, maybe not on PATH
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    start = time.perf_counter()
-    try:
-        module = load("castspec_row_linear", [str(SOURCE)], verbose=False,
-                      extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-                      extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja: oneDNN's kernel serves every row
-        build_error.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return None
-    load_seconds.append(time.perf_counter() - start)
-    return module.row_linear
+    return build("castspec_row_linear", SOURCE, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+                 "row_linear", build_error, load_seconds)
 
 
 build_error: list[str] = []
