@@ -1,12 +1,13 @@
 """bf16 linear layers on a CPU with no bf16 arithmetic (AVX2 only), by a kernel of our own.
 
 On such a CPU (no AVX512-BF16, no AMX) oneDNN has no native bf16 kernels, so aten's bf16 `linear` takes a slow
-generic path: on a 2-core AMD EPYC with AVX2 it read the 1.5B target's weight shapes at ~2-4 GB/s for one row and
-slower per row for more, while the machine streams ~15-20 GB/s (bench/forward-profile/widen-*). fp32 weights
-avoid that path but double the bytes every decode step reads. This kernel keeps the bf16 weights (their bytes) and
+generic path: on a 2-core AMD EPYC with AVX2 it read the 1.5B target's weight shapes at 13.6-16.8 GB/s for one
+row but at 4-5 GB/s for four rows and 1.2 GB/s for sixteen (its time growing with every row), where this
+kernel read them at 21.6 GB/s for one row (bench/forward-profile/widen-*). fp32 weights avoid that path but
+double the bytes every decode step reads. This kernel keeps the bf16 weights (their bytes) and
 does the arithmetic in fp32: each weight vector is widened in registers (a bf16 value is the top half of an fp32
 one), multiplied and summed in fp32, and each output rounded to bf16 once (`widen_linear.cpp`). It serves every
-row count: a few rows are as fast as one (each weight block is read from memory once for all of them), and a
+row count: four rows cost 1.2-1.5x one row (each weight block is read from memory once for all of them), and a
 prompt's many rows reuse each block from L2.
 
 Every output is the same fp32 sum in the same order however many rows come with it, so a tree's verification or
