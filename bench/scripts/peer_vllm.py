@@ -24,8 +24,8 @@ rounds after the first find their prompts cached; `--cold` turns that off on eve
 its prompts as a first load of new prompts would).
 
 Run: .venv/bin/python bench/scripts/peer_vllm.py bench/peer-vllm/NAME [--concurrency 1,4] [--per-set 3]
-     [--servers vllm,vllm-ngram,vllm-fp32,castspec-ar,castspec-cast-ngram,castspec-cast-suffix] [--heldout-offset 3]
-     [--interleave 3 [--cold]] (writes NAME.json, NAME.md, NAME.png)"""
+     [--servers vllm,vllm-ngram,vllm-fp32,vllm-ngram-fp32,castspec-ar,castspec-cast-ngram,castspec-cast-suffix]
+     [--heldout-offset 3] [--interleave 3 [--cold]] (writes NAME.json, NAME.md, NAME.png)"""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ VLLM_SERVERS = {"vllm": [], "vllm-ngram": ["--speculative-config", json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})],
                 # where the CPU has no native bf16 (AVX2) fp32 weights may be the faster choice for either server
                 "vllm-fp32": ["--dtype", "float32"]}
+VLLM_SERVERS["vllm-ngram-fp32"] = VLLM_SERVERS["vllm-ngram"] + VLLM_SERVERS["vllm-fp32"]
 
 
 def log(message: str) -> None:
@@ -111,7 +112,7 @@ def server_command(name: str, vllm: Path, model_dir: str, port: int, home: Path,
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_TARGET_DEVICE="cpu",
                    **(vllm_env or {}))
         iomp = vllm.parent.parent / "lib" / "libiomp5.so"
-        if name == "vllm-ngram" and iomp.exists():  # what vLLM's CPU speculation asks for in its warning
+        if "ngram" in name and iomp.exists():  # what vLLM's CPU speculation asks for in its warning
             env["LD_PRELOAD"] = str(iomp)
         return [str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                 "--max-model-len", "4096", "--served-model-name", SERVED,
