@@ -252,6 +252,47 @@ def test_a_copied_span_that_the_target_keeps_taking_stays_worth_drafting_deep():
     assert 0.25 < first < 0.45 and utility.item() > 0.8 * first
 
 
+def test_two_rows_of_one_batch_learn_their_own_regimes():
+    """One row copies a span (the target takes the whole chain), the other writes new text (it takes none of it):
+    the shared map learns the mean of both, and each row's own ratio moves its utilities to its own side of it;
+    a row no step has seen reads as the shared map."""
+    from castspec.decode.tree import DraftTree
+
+    policy = CastPolicy(table(0.05, 0.01), auto=True, calibrate=True)
+    chain = DraftTree.from_lists(list(range(5, 11)), [-1, *range(5)], [1.0] * 6)
+    for _ in range(30):
+        policy.observe_tree(chain, list(range(1, 6)), row="copying")
+        policy.observe_tree(chain, [], row="writing")
+    policy.start_step(StepContext(3, 64, rows=("copying", "writing", "new")))
+    one = torch.ones(3, 1)
+    utility = policy.node_utility(one, one, 1, rows=[0, 1, 2])
+    for depth in (2, 3):
+        utility = policy.node_utility(one, utility, depth, rows=[0, 1, 2])
+    copying, writing, new = utility.flatten().tolist()
+    shared = policy.node_utility(torch.ones(1, 1), torch.ones(1, 1), 1)
+    for depth in (2, 3):
+        shared = policy.node_utility(torch.ones(1, 1), shared, depth)
+    assert new == pytest.approx(shared.item())
+    assert copying > 1.4 * new and writing < 0.5 * new and copying <= 0.99 ** 3 + 1e-9
+
+
+def test_row_regimes_are_bounded_and_never_certain():
+    from castspec.policies.cast import AcceptanceCalibration, RowRegimes
+
+    calibration = AcceptanceCalibration()
+    calibration.regimes = RowRegimes(len(calibration.DEPTHS), keep=4)
+    for row in range(10):
+        for _ in range(20):
+            calibration.observe([0.3] * 4, [True] * 4, [1, 2, 4, 8], row=row)
+    assert list(calibration.regimes.rows) == [6, 7, 8, 9]
+    scaled = calibration(torch.tensor([[0.3, 0.9]]), 1, rows=[9])
+    assert scaled.max().item() <= RowRegimes.MOST + 1e-6 and calibration.regimes.factor(9, 0) > 1.2
+    assert calibration.regimes.factor(0, 0) == 1.0  # dropped: reads as the shared map again
+    unscaled = AcceptanceCalibration(per_row=False)
+    unscaled.observe([0.3], [True], [1], row="a")
+    assert unscaled.regimes is None
+
+
 def test_a_depth_band_that_saw_nothing_reads_like_the_band_above_it():
     from castspec.policies.cast import AcceptanceCalibration
 

@@ -25,9 +25,9 @@ def generate_explained(engine, prompt: str | None = None, messages: list[dict] |
     trees: list[tuple[DraftTree, list[int]]] = []
     listen = engine.policy.observe_tree
 
-    def keep(tree: DraftTree, path: list[int]) -> None:  # the policy's own per-row hook sees every verified tree
+    def keep(tree: DraftTree, path: list[int], row=None) -> None:  # the policy's own per-row hook sees every tree
         trees.append((tree, list(path)))
-        listen(tree, path)
+        listen(tree, path, row)
 
     engine.policy.observe_tree = keep
     try:

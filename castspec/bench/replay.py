@@ -83,11 +83,12 @@ def replay(drafter: Drafter | None, policy: Policy | None, prompt: list[int], re
     if drafter is not None:
         drafter.reset(1)
     emitted, unseen = 1, prompt + reference[:1]
+    request = object()  # this replay's row key: a new request, as each prompt is to the engine
     result = ReplayResult([], [], [], 0.0, 0.0, 0.0)
     end = min(len(reference), max_new_tokens)
     while emitted < end:
         context = len(prompt) + emitted - 1  # the KV cache holds everything before the root
-        ctx = StepContext(1, context, max_new_tokens - emitted - 1, len(unseen))
+        ctx = StepContext(1, context, max_new_tokens - emitted - 1, len(unseen), (request,))
         tree, depth = DraftTree.single(reference[emitted - 1]), 0
         start = time.perf_counter()
         if drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx):
@@ -107,7 +108,7 @@ def replay(drafter: Drafter | None, policy: Policy | None, prompt: list[int], re
         result.tree_sizes.append(len(tree) - 1)
         result.depths.append(depth)
         if policy is not None:
-            policy.observe_tree(tree, path)
+            policy.observe_tree(tree, path, request)
             policy.observe(len(new_tokens), draft_s + verify_s)
         emitted += len(new_tokens)
         unseen += new_tokens

@@ -72,7 +72,7 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
     parent_scores = torch.tensor([pools[b].scores[node] for b, node in flat_parents])[:, None]
     parent_utilities = torch.tensor([pools[b].utilities[node] for b, node in flat_parents])[:, None]
     if policy is not None:
-        utilities = policy.node_utility(probs, parent_utilities, layer).flatten()
+        utilities = policy.node_utility(probs, parent_utilities, layer, [b for b, _ in flat_parents]).flatten()
     else:
         utilities = (probs * parent_utilities).flatten()
     scores = (probs * parent_scores).flatten()

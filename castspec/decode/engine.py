@@ -168,10 +168,14 @@ class StepInfo:
     cached_tokens: int = 0  # of those, taken from the prefix cache (not prefilled)
 
 
+_SERIALS = itertools.count()
+
+
 class _Sequence:
     def __init__(self, request_id: str, prompt: list[int], stop: StopCondition, sampling: SamplingParams | None,
                  generator: torch.Generator | None, constraint: Constraint | None = None) -> None:
         self.id, self.prompt, self.stop = request_id, prompt, stop
+        self.serial = next(_SERIALS)  # unique in the process, where request ids repeat (every decode() has a "0")
         self.sampling, self.generator = sampling, generator
         self.constraint = constraint  # its grammar, in the state after every token it emitted
         self.top_logprobs: int | None = None  # logprobs asked for: this many top tokens with each
@@ -467,7 +471,8 @@ class StepEngine:
         t0 = _clock(target.device)
         limits = [min(s.stop.max_new_tokens - len(s.output), window - target.lengths[i]) - 1
                   for i, s in enumerate(rows)]
-        ctx = StepContext(len(rows), target.length, max(limits), max(len(s.unseen) for s in rows))
+        ctx = StepContext(len(rows), target.length, max(limits), max(len(s.unseen) for s in rows),
+                          tuple(s.serial for s in rows))
         trees, record = [DraftTree.single(s.root) for s in rows], DraftRecord()
         drafting = drafter is not None and policy is not None and ctx.depth_limit > 0 and policy.should_draft(ctx)
         lap("plan")
@@ -500,7 +505,7 @@ class StepEngine:
             s.steps.append(StepStats(len(new_tokens), len(tree) - 1, t1 - t0, t2 - t1, ctx.context_length, record,
                                      len(rows)))
             if policy is not None:
-                policy.observe_tree(tree, path)
+                policy.observe_tree(tree, path, s.serial)
             if s.top_logprobs is not None:  # token j was emitted at node j of the accepted path (root first)
                 s.logprobs += token_logprobs(logits[i][[0, *path]], new_tokens, s.top_logprobs)
             if not any(s.stop.push(s.output, token) for token in new_tokens):

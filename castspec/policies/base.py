@@ -10,6 +10,7 @@ ones are expanded. A policy never sees a model, so it is unit-testable with plai
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ class StepContext:
     context_length: int = 0  # tokens in the target's KV cache
     depth_limit: int = 1 << 30  # no node deeper than this (max_new_tokens or the context window is near)
     pending: int = 1  # tokens the drafter must absorb before drafting (more than 1 after skipped draft steps)
+    rows: tuple[Hashable, ...] = ()  # each row's request (a key that stays the row's over its steps), if known
 
 
 class Policy(ABC):
@@ -39,18 +41,21 @@ class Policy(ABC):
         """Whether to draft at all this step (False: a plain AR step; the drafter catches up later)."""
         return True
 
-    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor, depth: int = 1) -> torch.Tensor:
+    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor, depth: int = 1,
+                     rows: list[int] | None = None) -> torch.Tensor:
         """A drafted node's worth from its draft probability given its parent (`probs` [F, k]), its parent's
-        utility ([F, 1]) and its depth (a layer's nodes share it). The default is the draft score: the product of draft
-        probabilities along the path. It must not exceed the parent's (so that the best nodes always form a
-        tree)."""
+        utility ([F, 1]), its depth (a layer's nodes share it) and each parent's row in the batch (`rows`, [F]).
+        The default is the draft score: the product of draft probabilities along the path. It must not exceed
+        the parent's (so that the best nodes always form a tree)."""
         return probs * parent_utility
 
     def observe(self, tokens: int, seconds: float) -> None:  # noqa: B027 - only adaptive policies listen
         """Called after each step with the tokens it emitted and its wall time (draft + verify)."""
 
-    def observe_tree(self, tree: DraftTree, path: list[int]) -> None:  # noqa: B027 - only adaptive policies listen
-        """Called after each step, per row, with the verified tree and the nodes the target accepted."""
+    def observe_tree(self, tree: DraftTree, path: list[int],  # noqa: B027 - only adaptive policies listen
+                     row: Hashable | None = None) -> None:
+        """Called after each step, per row, with the verified tree, the nodes the target accepted and the row's
+        key (`StepContext.rows`)."""
 
     @abstractmethod
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:

@@ -9,7 +9,8 @@ the decoder currently achieves (see docs/cast.md)."""
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from itertools import pairwise
 
 import torch
@@ -105,9 +106,10 @@ class AcceptanceCalibration:
     EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97, 1.0)
     DEPTHS = (1, 2, 4, 8)  # the first depth of each band
 
-    def __init__(self, prior: float = 4.0, decay: float = 0.99) -> None:
+    def __init__(self, prior: float = 4.0, decay: float = 0.99, per_row: bool = True) -> None:
         self.prior, self.decay = prior, decay
         self.bands = [_ScoreBins(self.EDGES, prior, decay) for _ in self.DEPTHS]
+        self.regimes = RowRegimes(len(self.DEPTHS)) if per_row else None
 
     def band(self, depth: int) -> int:
         return max(0, bisect.bisect_right(self.DEPTHS, depth) - 1)
@@ -117,24 +119,79 @@ class AcceptanceCalibration:
         """The first-guess (depth 1) map's rates per bin."""
         return self.bands[0].rates
 
-    def observe(self, scores: list[float], accepted: list[bool], depths: list[int] | None = None) -> None:
+    def observe(self, scores: list[float], accepted: list[bool], depths: list[int] | None = None,
+                row: Hashable | None = None) -> None:
         """One step: every verified drafted node's score, whether the target accepted it and its depth (1 where
-        not given; none on an AR step). Old evidence fades towards the prior, so a drafter judged poor is tried
-        again after a while instead of never being verified (and so never re-judged) again."""
+        not given; none on an AR step), and the row (request) it was drafted for. Old evidence fades towards the
+        prior, so a drafter judged poor is tried again after a while instead of never being verified (and so never
+        re-judged) again."""
+        depths = depths or [1] * len(scores)
+        if self.regimes is not None and row is not None and scores:
+            # what the shared map predicted for these nodes, before it learns from them
+            bands = [self.band(d) for d in depths]
+            clamped = torch.tensor(scores, dtype=torch.float64).clamp(0, 1)
+            predicted = torch.zeros_like(clamped)
+            for band in set(bands):
+                where = torch.tensor([b == band for b in bands])
+                predicted[where] = self.bands[band](clamped[where])
+            self.regimes.observe(row, bands, predicted.tolist(), accepted)
         for bins in self.bands:
             bins.fade()
-        for score, ok, depth in zip(scores, accepted, depths or [1] * len(scores), strict=True):
+        for score, ok, depth in zip(scores, accepted, depths, strict=True):
             self.bands[self.band(depth)].add(score, ok)
         prior_rates = self.bands[0].centres
         for bins in self.bands:
             bins.refit(prior_rates)
             prior_rates = bins.rates
 
-    def __call__(self, scores: torch.Tensor, depth: int = 1) -> torch.Tensor:
-        """Calibrated scores of nodes at `depth` (0 stays 0: padding)."""
+    def __call__(self, scores: torch.Tensor, depth: int = 1, rows: list[Hashable] | None = None) -> torch.Tensor:
+        """Calibrated scores of nodes at `depth` (0 stays 0: padding). `rows`: the row (request) of each of
+        `scores`' rows, whose own recent verdicts scale the shared map (`RowRegimes`)."""
         flat = scores.double().clamp(0, 1)
-        out = self.bands[self.band(depth)](flat.flatten()).reshape(flat.shape)
+        band = self.band(depth)
+        out = self.bands[band](flat.flatten()).reshape(flat.shape)
+        if rows is not None and self.regimes is not None:
+            factors = torch.tensor([self.regimes.factor(row, band) for row in rows], dtype=torch.float64)
+            out = (out * factors.reshape(-1, *([1] * (out.dim() - 1)))).clamp(max=RowRegimes.MOST)
         return torch.where(flat > 0, out, 0.0).to(scores.dtype)
+
+
+class RowRegimes:
+    """How each row's (request's) own text departs from the shared acceptance map, per depth band: the ratio of
+    the nodes its target accepted to the nodes the shared map expected it to accept, over its recent steps.
+
+    The shared map learns from every row and over ~100 steps; a text's regime changes faster and differs between
+    the rows of a batch: a row that copies a span of its prompt takes deep suffix matches nearly surely, while a
+    row writing new prose beside it takes few of the very same scores. One map for both over-prices drafting for
+    the first and under-prices it for the second (CAST trailed the chain of 4 on GSM8K and MT-bench and the
+    chain of 16 on repetitive prompts, with one map that had learnt from all of them; bench/regret). A row's
+    utility is the shared map's chance times its band's ratio (at most `MOST`); with `prior` pseudo-nodes at
+    ratio 1 a new row reads as the shared map, and its own evidence fades by `decay` a step, so the ratio follows
+    a text whose regime turns. Rows no step has named for a while are dropped (`keep` at most)."""
+
+    MOST = 0.99  # a scaled chance never reaches certainty: some price always remains for a deeper node
+
+    def __init__(self, bands: int, prior: float = 2.0, decay: float = 0.8, keep: int = 256) -> None:
+        self.bands, self.prior, self.decay, self.keep = bands, prior, decay, keep
+        self.rows: OrderedDict[Hashable, tuple[list[float], list[float]]] = OrderedDict()
+
+    def observe(self, row: Hashable, bands: list[int], predicted: list[float], accepted: list[bool]) -> None:
+        taken, expected = self.rows.pop(row, None) or ([0.0] * self.bands, [0.0] * self.bands)
+        taken = [self.decay * t for t in taken]
+        expected = [self.decay * e for e in expected]
+        for band, p, ok in zip(bands, predicted, accepted, strict=True):
+            taken[band] += float(ok)
+            expected[band] += p
+        self.rows[row] = (taken, expected)  # most recent last
+        while len(self.rows) > self.keep:
+            self.rows.popitem(last=False)
+
+    def factor(self, row: Hashable, band: int) -> float:
+        seen = self.rows.get(row)
+        if seen is None:
+            return 1.0
+        taken, expected = seen
+        return (taken[band] + self.prior) / (expected[band] + self.prior)
 
 
 class DraftingPayoff:
@@ -220,6 +277,7 @@ class CastPolicy(Policy):
         self.exploration = Exploration() if auto and hasattr(costs, "draft_sure") else None
         self._exploring = False
         self._step_price: float | None = None  # this step's price in AR steps so far; None: not drafting
+        self._row_keys: tuple = ()  # this step's rows (requests), for their own acceptance regimes
         self.ratios: deque[float] = deque([1.0], maxlen=fifo_size)
         self.goodput = None  # tokens per AR step's price, over recent steps (exponential average)
         self.trace: dict = {}
@@ -246,24 +304,30 @@ class CastPolicy(Policy):
             self.payoff.observe(None if self._step_price is None else tokens - self._step_price)
         self._step_price = None
 
-    def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
+    def observe_tree(self, tree: DraftTree, path: list[int], row: Hashable | None = None) -> None:
         """Calibration learns P(accepted | parent accepted) from each verified node whose parent the target
-        accepted (the root or a node on the path): its draft probability given the parent, and the verdict."""
+        accepted (the root or a node on the path): its draft probability given the parent, and the verdict; the
+        row's own regime (`RowRegimes`) from the same nodes."""
         if self.calibration is None:
             return
         kept = {0, *path}
         scores, parents, depths = tree.scores.tolist(), tree.parents.tolist(), tree.depths.tolist()
         nodes = [i for i in range(1, len(tree)) if parents[i] in kept]
         self.calibration.observe([scores[i] / scores[parents[i]] if scores[parents[i]] > 0 else 0.0 for i in nodes],
-                                 [i in kept for i in nodes], [depths[i] for i in nodes])
+                                 [i in kept for i in nodes], [depths[i] for i in nodes], row)
 
-    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor, depth: int = 1) -> torch.Tensor:
+    def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor, depth: int = 1,
+                     rows: list[int] | None = None) -> torch.Tensor:
         """Calibrated: the parent's utility times the learnt chance that the target takes this child (at its
-        depth) once it has taken the parent; a chain of confident n-gram guesses then loses worth with every step
-        as the target's choices say it does, and a copied span that the target keeps taking stays worth drafting."""
+        depth) once it has taken the parent, scaled by the row's own regime when `rows` (each parent's row in the
+        batch) says whose they are; a chain of confident n-gram guesses then loses worth with every step as the
+        target's choices say it does, and a copied span that the target keeps taking stays worth drafting."""
         if self.calibration is None:
-            return super().node_utility(probs, parent_utility, depth)
-        return self.calibration(probs, depth).to(parent_utility.dtype) * parent_utility
+            return super().node_utility(probs, parent_utility, depth, rows)
+        keys = None
+        if rows is not None and len(self._row_keys) > max(rows, default=-1):
+            keys = [self._row_keys[b] for b in rows]
+        return self.calibration(probs, depth, keys).to(parent_utility.dtype) * parent_utility
 
     # ---- decisions ----------------------------------------------------------------------------------------
 
@@ -274,9 +338,14 @@ class CastPolicy(Policy):
         # costs one AR step
         self._step_price = 1.0 + self.costs.normalised_draft(ctx.batch_size, ctx.context_length,
                                                              max(1, ctx.pending))
+        self._row_keys = ctx.rows
         self.trace = {"context": ctx.context_length, "batch_size": ctx.batch_size, "layers": []}
         if self.payoff is not None:
             self.trace["drafting_payoff"] = round(self.payoff.expected, 4)
+        regimes = self.calibration.regimes if self.calibration is not None else None
+        if regimes is not None and ctx.rows:  # each row's ratio to the shared map, per depth band
+            self.trace["row_regimes"] = [[round(regimes.factor(row, band), 3) for band in range(regimes.bands)]
+                                         for row in ctx.rows]
         if self._exploring:
             self.trace["exploring"] = {"try": self.exploration.tries, "next_gap": self.exploration.gap}
 
