@@ -71,12 +71,13 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
     flat_parents = [(b, node) for b, frontier in enumerate(frontiers) for node in frontier]
     parent_scores = torch.tensor([pools[b].scores[node] for b, node in flat_parents])[:, None]
     parent_utilities = torch.tensor([pools[b].utilities[node] for b, node in flat_parents])[:, None]
+    parent_rows = [b for b, _ in flat_parents]
     if policy is not None:
-        utilities = policy.node_utility(probs, parent_utilities, layer, [b for b, _ in flat_parents]).flatten()
+        utilities = policy.node_utility(probs, parent_utilities, layer, parent_rows).flatten()
     else:
         utilities = (probs * parent_utilities).flatten()
     scores = (probs * parent_scores).flatten()
-    row_of = torch.tensor([b for b, _ in flat_parents], dtype=torch.long).repeat_interleave(k)
+    row_of = torch.tensor(parent_rows, dtype=torch.long).repeat_interleave(k)
     real = (probs.flatten() > 0).nonzero().flatten()
     by_utility = real[torch.sort(utilities[real], descending=True, stable=True).indices]
     order = by_utility[torch.sort(row_of[by_utility], stable=True).indices]  # row by row, best first in each
