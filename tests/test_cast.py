@@ -386,6 +386,59 @@ def _drafting_steps(policy: CastPolicy, accepts_all: bool, steps: int = 150) -> 
     return drafted
 
 
+def _request_steps(policy: CastPolicy, row, accepts_all: bool, steps: int) -> list[bool]:
+    """`steps` decoding steps of one request (`row`): per step, whether `policy` drafted."""
+    from castspec.decode.tree import DraftTree
+
+    drafted = []
+    for _ in range(steps):
+        ctx = StepContext(1, 16, rows=(row,))
+        tree, path = DraftTree.single(3), []
+        drafted.append(policy.should_draft(ctx))
+        if drafted[-1]:
+            tree, _ = grow_tree(ScriptedDrafter(), policy, [3], ctx)
+            if accepts_all:
+                path = max(tree.paths(), key=len)[1:]
+        policy.observe_tree(tree, path, row)
+        price = policy._step_price if policy._step_price is not None else 1.0
+        policy.observe(len(path) + 1, price * policy.costs.f_target(1, 16, 1))
+    return drafted
+
+
+def test_a_closed_payoff_gate_tries_each_new_request_once():
+    """The gate's evidence is of earlier texts: a request whose text pays must not be decoded as AR because the one
+    before it did not (CAST over n-gram made 1.26x AR on a HumanEval prompt after an MT-bench answer closed the
+    gate, where a chain of 16 made 4.6x). A new request's first tree is verified; if it pays the gate reopens."""
+    policy = CastPolicy(table(0.1, 0.01), c1=0.5, c2=0.5, c3=0.5, top_k=2, max_depth=3, calibrate=True)
+    losing = _request_steps(policy, "prose", accepts_all=False, steps=60)
+    # the gate closed on the losing text: it reopens only as the evidence fades (a try every ~30 steps here)
+    assert policy.payoff.expected <= 0 and sum(losing[10:]) <= 2
+    copying = _request_steps(policy, "copy", accepts_all=True, steps=20)
+    assert copying[0] and all(copying)  # tried at once, and the gain reopened the gate
+    assert policy.trace.get("new_row_try") is None  # an open gate needs no try
+    # a request that loses as well gets its one try, and no more
+    policy.payoff.total = -abs(policy.payoff.total) - 1.0
+    again = _request_steps(policy, "more prose", accepts_all=False, steps=20)
+    assert again[0] and not any(again[1:]) and policy.payoff.new_row_tries >= 1
+
+
+def test_a_request_the_drafter_has_nothing_for_stays_untried():
+    """A try that verified no drafted node (the drafter had nothing to offer) is not the request's try: it stays
+    untried until a node is verified, so a prompt whose first lookups find no match still gets judged."""
+    from castspec.decode.tree import DraftTree
+
+    policy = CastPolicy(table(0.1, 0.01), c1=0.5, c2=0.5, c3=0.5, top_k=2, max_depth=3, calibrate=True)
+    policy.payoff.total = -1.0
+    ctx = StepContext(1, 16, rows=("new",))
+    assert policy.should_draft(ctx)
+    policy.observe_tree(DraftTree.single(3), [], "new")  # nothing drafted
+    assert policy.should_draft(ctx)
+    tree, _ = grow_tree(ScriptedDrafter(), policy, [3], ctx)
+    policy.observe_tree(tree, [], "new")
+    assert not policy.should_draft(ctx)
+    assert not policy.should_draft(StepContext(1, 16))  # a step with no row keys (a replay of old) is no try
+
+
 def test_calibrated_cast_stops_drafting_when_drafting_does_not_pay():
     def policy(calibrate: bool) -> CastPolicy:  # each drafted token costs 0.3 AR steps to draft, 0.1 to verify
         return CastPolicy(table(0.1, 0.3), c1=0.5, c2=0.5, c3=0.5, top_k=2, max_depth=3, calibrate=calibrate)

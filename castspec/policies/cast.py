@@ -202,11 +202,35 @@ class DraftingPayoff:
     Starts at `prior_gain` with `prior` pseudo-observations and fades back there (also on AR steps), so a drafter
     that stopped paying is tried again now and then: with a = (1 - decay) * prior * prior_gain, a drafter that
     loses g AR steps per try ends up trying on about a / (g + a) of the steps. Priced, not timed, so that a replay
-    decides exactly as real decoding does."""
+    decides exactly as real decoding does.
+
+    The evidence is of the texts decoded lately, and a new request is a new text: n-gram matches that lost on an
+    MT-bench answer say nothing of a HumanEval completion that repeats its prompt, yet a closed gate gathers no
+    evidence of its own (it fades back open only after ~100 AR steps: a whole request decoded as AR where a chain
+    of 16 would have made it 4.6x faster, bench/regret). So while the gate is closed, a step that carries a row
+    (request) the target has not yet been shown a drafted node for drafts anyway (`untried`), and its gain is
+    counted like any other: a text that pays reopens the gate at once, one that does not adds one more loss. Worst
+    case: one verified tree per request while drafting loses, sized by the calibrated map (which has learnt the
+    losses by then), plus the drafter's lookups on the steps before that where it had nothing to offer."""
+
+    KEEP_ROWS = 1024  # rows remembered as tried (one not named for this long would be tried again)
 
     def __init__(self, prior_gain: float = 0.5, prior: float = 2.0, decay: float = 0.99) -> None:
         self.prior_gain, self.prior, self.decay = prior_gain, prior, decay
         self.total, self.weight = prior * prior_gain, prior
+        self.tried_rows: OrderedDict[Hashable, None] = OrderedDict()
+        self.new_row_tries = 0
+
+    def untried(self, rows: tuple[Hashable, ...]) -> bool:
+        """Whether any of this step's rows has had no drafted node verified yet."""
+        return any(row not in self.tried_rows for row in rows)
+
+    def tried(self, row: Hashable) -> None:
+        """`row` had a drafted node verified."""
+        self.tried_rows[row] = None
+        self.tried_rows.move_to_end(row)
+        while len(self.tried_rows) > self.KEEP_ROWS:
+            self.tried_rows.popitem(last=False)
 
     @property
     def expected(self) -> float:
@@ -276,6 +300,7 @@ class CastPolicy(Policy):
         # tries of drafting that the table prices out, where the table learns from them (auto mode reads prices)
         self.exploration = Exploration() if auto and hasattr(costs, "draft_sure") else None
         self._exploring = False
+        self._new_row_try = False  # this step drafts past a closed payoff gate because it carries a new row
         self._step_price: float | None = None  # this step's price in AR steps so far; None: not drafting
         self._row_keys: tuple = ()  # this step's rows (requests), for their own acceptance regimes
         self.ratios: deque[float] = deque([1.0], maxlen=fifo_size)
@@ -307,7 +332,9 @@ class CastPolicy(Policy):
     def observe_tree(self, tree: DraftTree, path: list[int], row: Hashable | None = None) -> None:
         """Calibration learns P(accepted | parent accepted) from each verified node whose parent the target
         accepted (the root or a node on the path): its draft probability given the parent, and the verdict; the
-        row's own regime (`RowRegimes`) from the same nodes."""
+        row's own regime (`RowRegimes`) from the same nodes. The payoff gate notes the row as tried."""
+        if self.payoff is not None and row is not None and len(tree) > 1:
+            self.payoff.tried(row)
         if self.calibration is None:
             return
         kept = {0, *path}
@@ -348,6 +375,9 @@ class CastPolicy(Policy):
                                          for row in ctx.rows]
         if self._exploring:
             self.trace["exploring"] = {"try": self.exploration.tries, "next_gap": self.exploration.gap}
+        if self._new_row_try:  # drafting although the payoff gate is closed: a new request's first try
+            self.payoff.new_row_tries += 1
+            self.trace["new_row_try"] = self.payoff.new_row_tries
 
     def should_draft(self, ctx: StepContext) -> bool:
         """Auto mode: draft only if some chain could beat AR even at the best: d drafted tokens, all accepted,
@@ -357,9 +387,11 @@ class CastPolicy(Policy):
         (`DraftingPayoff`): the test above assumes every drafted token is accepted, so a drafter whose forwards
         cost a good share of a target step, or whose scores no calibration can fix, still costs its forwards;
         only skipping them stops that loss."""
-        self._exploring = False
+        self._exploring = self._new_row_try = False
         if self.payoff is not None and self.payoff.expected <= 0:
-            return False
+            if not self.payoff.untried(ctx.rows):
+                return False
+            self._new_row_try = True  # a new text: the gate's evidence is of other texts (DraftingPayoff)
         if not self.auto:
             return True
         b, c = ctx.batch_size, ctx.context_length
@@ -374,6 +406,7 @@ class CastPolicy(Policy):
             self.exploration.tried(self.costs.draft_sure(b, c, 1))
             self._exploring = True
             return True
+        self._new_row_try = False
         return False
 
     def width(self, layer: int, scores: torch.Tensor, ctx: StepContext) -> int:
