@@ -343,3 +343,19 @@ def test_explain_draws_the_largest_step_and_the_generation(tmp_path, smollm, smo
         drafted = s.tree.tokens[s.path].tolist()[: len(out.output_ids) - position]
         assert out.output_ids[position: position + len(drafted)] == drafted
         position += s.stats.accepted
+
+
+def test_a_trace_file_that_cannot_be_written_is_refused_before_loading(no_model_loads, capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for command in (["generate", "--prompt", "hi"], ["serve", "--port", "8000"]):
+        assert main([command[0], "--model", "no-such-model", "--trace", str(blocker / "t.jsonl"), *command[1:]]) == 2
+        err = capsys.readouterr().err
+        assert "--trace" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_trace_files_missing_folders_are_made(tmp_path):
+    from castspec.cli.options import trace_path
+
+    path = tmp_path / "traces" / "run-1" / "server-trace.jsonl"
+    assert trace_path(str(path)) == str(path) and path.parent.is_dir()

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from castspec.cli.options import engine_args, load_engine, policy_args, sampling_args, sampling_params
+from castspec.cli.options import engine_args, load_engine, policy_args, sampling_args, sampling_params, trace_path
 from castspec.decode.constraints import Grammar, GrammarError
 from castspec.errors import CastspecError
 
@@ -60,9 +60,10 @@ def run_generate(args) -> None:
         raise CastspecError(f"--batch-size must be positive, got {args.batch_size}")
     rows = read_prompts_file(args.prompts_file) if args.prompts_file else [{"id": 0, "prompt": args.prompt}]
     grammar = structured_output(args)  # a bad grammar fails here, before the slow model load
+    trace_file = trace_path(args.trace)
     engine = load_engine(args)
     print(f"castspec: {engine.choice}", file=sys.stderr, flush=True)
-    trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below, written per step
+    trace = open(trace_file, "w") if trace_file else None  # noqa: SIM115 - closed below, written per step
     for first in range(0, len(rows), args.batch_size):
         batch = rows[first: first + args.batch_size]
         prompts = [row["messages"] if "messages" in row else

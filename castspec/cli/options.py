@@ -7,6 +7,7 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from castspec.errors import CastspecError
 
@@ -104,6 +105,21 @@ def load_engine(args):
     from castspec.api import Engine
 
     return Engine.load(**engine_options(args))
+
+
+def trace_path(path: str | None) -> str | None:
+    """A --trace file that can be written, its folder made if missing; refused in one line before the slow model
+    load (a missing folder used to end a server's start-up, minutes in, with a traceback)."""
+    if path is None:
+        return None
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a"):
+            pass
+    except OSError as e:
+        raise CastspecError(f"--trace {path}: cannot write there ({e.strerror or e})") from None
+    return str(target)
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:

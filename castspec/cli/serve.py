@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from castspec.cli.options import engine_args, engine_options, load_engine, policy_args
+from castspec.cli.options import engine_args, engine_options, load_engine, policy_args, trace_path
 from castspec.costs.prefill import PREFILL_AT_ONCE, PREFILL_SLACK, prefill_schedule
 from castspec.errors import CastspecError
 
@@ -86,6 +86,7 @@ def run_serve(args) -> None:
     prefill_schedule(args.prefill_chunk, args.prefill_slack, args.prefill_at_once)
     if not 0 < args.port < 65536:
         raise CastspecError(f"--port must be in 1..65535, got {args.port}")
+    args.trace = trace_path(args.trace)
     name = args.served_model_name or args.model
     if args.replicas is not None or args.ray_address is not None:
         return _serve_on_ray(args, name)
