@@ -366,33 +366,14 @@ def test_drafting_payoff_stops_a_losing_drafter_and_tries_it_again_now_and_then(
         assert winner.expected > 0
 
 
-def _drafting_steps(policy: CastPolicy, accepts_all: bool, steps: int = 150) -> int:
-    """Steps on which `policy` drafts, when the target accepts every drafted chain (or nothing)."""
-    from castspec.decode.tree import DraftTree
-
-    drafted = 0
-    for _ in range(steps):
-        ctx = StepContext(1, 16)
-        tree, path = DraftTree.single(3), []
-        if policy.should_draft(ctx):
-            drafted += 1
-            tree, _ = grow_tree(ScriptedDrafter(), policy, [3], ctx)
-            if accepts_all:
-                path = max(tree.paths(), key=len)[1:]
-        policy.observe_tree(tree, path)
-        # the step takes the time the table prices it at, so that auto mode measures a goodput it can trust
-        price = policy._step_price if policy._step_price is not None else 1.0
-        policy.observe(len(path) + 1, price * policy.costs.f_target(1, 16, 1))
-    return drafted
-
-
 def _request_steps(policy: CastPolicy, row, accepts_all: bool, steps: int) -> list[bool]:
-    """`steps` decoding steps of one request (`row`): per step, whether `policy` drafted."""
+    """`steps` decoding steps of one request (`row`; None: steps that name no rows): per step, whether `policy`
+    drafted, when the target accepts every drafted chain (or nothing)."""
     from castspec.decode.tree import DraftTree
 
     drafted = []
     for _ in range(steps):
-        ctx = StepContext(1, 16, rows=(row,))
+        ctx = StepContext(1, 16, rows=() if row is None else (row,))
         tree, path = DraftTree.single(3), []
         drafted.append(policy.should_draft(ctx))
         if drafted[-1]:
@@ -400,9 +381,15 @@ def _request_steps(policy: CastPolicy, row, accepts_all: bool, steps: int) -> li
             if accepts_all:
                 path = max(tree.paths(), key=len)[1:]
         policy.observe_tree(tree, path, row)
+        # the step takes the time the table prices it at, so that auto mode measures a goodput it can trust
         price = policy._step_price if policy._step_price is not None else 1.0
         policy.observe(len(path) + 1, price * policy.costs.f_target(1, 16, 1))
     return drafted
+
+
+def _drafting_steps(policy: CastPolicy, accepts_all: bool, steps: int = 150) -> int:
+    """Steps on which `policy` drafts, when the target accepts every drafted chain (or nothing)."""
+    return sum(_request_steps(policy, None, accepts_all, steps))
 
 
 def test_a_closed_payoff_gate_tries_each_new_request_once():
