@@ -255,7 +255,7 @@ def test_a_copied_span_that_the_target_keeps_taking_stays_worth_drafting_deep():
 def test_two_rows_of_one_batch_learn_their_own_regimes():
     """One row copies a span (the target takes the whole chain), the other writes new text (it takes none of it):
     the shared map learns the mean of both, and each row's own ratio moves its utilities to its own side of it;
-    a row no step has seen reads as the shared map."""
+    a row no step has seen reads as the shared map scaled by the newcomers' ratio."""
     from castspec.decode.tree import DraftTree
 
     policy = CastPolicy(table(0.05, 0.01), auto=True, calibrate=True)
@@ -272,7 +272,9 @@ def test_two_rows_of_one_batch_learn_their_own_regimes():
     shared = policy.node_utility(torch.ones(1, 1), torch.ones(1, 1), 1)
     for depth in (2, 3):
         shared = policy.node_utility(torch.ones(1, 1), shared, depth)
-    assert new == pytest.approx(shared.item())
+    regimes = policy.calibration.regimes
+    start = regimes.newcomer_factor(0) * regimes.newcomer_factor(1) ** 2  # depth 1 is band 0, depths 2-3 band 1
+    assert new == pytest.approx(shared.item() * start)
     assert copying > 1.4 * new and writing < 0.5 * new and copying <= 0.99 ** 3 + 1e-9
 
 
@@ -287,10 +289,38 @@ def test_row_regimes_are_bounded_and_never_certain():
     assert list(calibration.regimes.rows) == [6, 7, 8, 9]
     scaled = calibration(torch.tensor([[0.3, 0.9]]), 1, rows=[9])
     assert scaled.max().item() <= RowRegimes.MOST + 1e-6 and calibration.regimes.factor(9, 0) > 1.2
-    assert calibration.regimes.factor(0, 0) == 1.0  # dropped: reads as the shared map again
+    assert calibration.regimes.factor(0, 0) == calibration.regimes.newcomer_factor(0)  # dropped: a newcomer again
     unscaled = AcceptanceCalibration(per_row=False)
     unscaled.observe([0.3], [True], [1], row="a")
     assert unscaled.regimes is None
+
+
+def test_a_new_row_reads_as_new_rows_did_at_their_start_not_as_the_text_before_it():
+    """A copy text teaches the shared map that a drafter's confident first guess is nearly sure; the texts after
+    it each rejected their first guess. A new row's first tree is priced by how the new rows before it fared at
+    their start, not by the copy text's map, and its own verdicts take over after a few steps."""
+    from castspec.policies.cast import AcceptanceCalibration
+
+    calibration = AcceptanceCalibration()
+    for _ in range(40):
+        calibration.observe([1.0], [True], [1], row="copying")
+    for row in range(6):
+        calibration.observe([1.0], [False], [1], row=f"writing-{row}")
+    shared = calibration(torch.tensor([1.0]), 1).item()
+    newcomer = calibration(torch.tensor([1.0]), 1, rows=["next"]).item()
+    assert shared > 0.75 and newcomer < 0.6 * shared
+    for _ in range(6):  # the new row turns out to copy: its own verdicts raise it back
+        calibration.observe([1.0], [True], [1], row="next")
+    assert calibration(torch.tensor([1.0]), 1, rows=["next"]).item() > 0.85 * shared
+
+
+def test_newcomers_that_beat_the_map_do_not_price_a_new_row_above_it():
+    from castspec.policies.cast import RowRegimes
+
+    regimes = RowRegimes(bands=4)
+    for row in range(6):  # every new row took a first guess the map gave 0.2
+        regimes.observe(row, [0], [0.2], [True])
+    assert regimes.factor("next", 0) == 1.0 and regimes.factor(5, 0) > 1.3  # its own evidence still counts
 
 
 def test_a_depth_band_that_saw_nothing_reads_like_the_band_above_it():

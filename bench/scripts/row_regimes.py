@@ -1,4 +1,5 @@
-"""CAST with one shared acceptance map against CAST with each row's own regime on top (issue 37, no-regret tree sizes),
+"""CAST with one shared acceptance map against CAST with each row's own regime on top, new rows read as the shared map
+or hedged by the newcomers before them (issue 37, no-regret tree sizes),
 beside the grid of fixed trees over the same drafter, by exact replays (castspec.bench.replay: acceptance from the
 target's greedy reference, verify forwards priced by a cost table this machine learnt, drafting timed).
 
@@ -34,7 +35,10 @@ from castspec.policies.cast import CastPolicy
 FIXED = ["chain:{d}:chain_length=2", "chain:{d}:chain_length=3", "chain:{d}:chain_length=4",
          "chain:{d}:chain_length=8", "chain:{d}:chain_length=16", "eagle2:{d}:top_k=2,depth=3,total_tokens=6",
          "eagle2:{d}:top_k=4,depth=4,total_tokens=16", "eagle2:{d}"]
-CAST_VARIANTS = {"cast, one map": False, "cast, row regimes": True}
+# how each row's own evidence enters CAST: not at all, row regimes whose new rows read as the shared map (the code
+# of 8d1d3c8-6cb6c6c), row regimes whose new rows read as the newcomers before them did (RowRegimes.newcomer_factor)
+CAST_VARIANTS = {"cast, one map": "none", "cast, row regimes, no newcomers' hedge": "rows",
+                 "cast, row regimes": "newcomers"}
 
 
 def log(message: str) -> None:
@@ -63,13 +67,15 @@ def references(args, engine: Engine, prompts: list[dict], ids: list[list[int]], 
     return refs
 
 
-def run_method(label: str, target, costs, prompts, ids, refs, max_new_tokens: int, row_regimes: bool | None = None):
+def run_method(label: str, target, costs, prompts, ids, refs, max_new_tokens: int, row_regimes: str = "newcomers"):
     """Per prompt: (set, AR seconds priced, decode seconds, tokens, steps), one policy for every prompt in turn."""
     spec = parse_methods(label)[0]
     drafter, _ = method_parts(parse_methods(f"chain:{spec.drafter}")[0], target)  # a new drafter for each method
     policy = make_policy(spec.method, **policy_options(spec, costs))
-    if isinstance(policy, CastPolicy) and policy.calibration is not None and not row_regimes:
+    if isinstance(policy, CastPolicy) and policy.calibration is not None and row_regimes == "none":
         policy.calibration.regimes = None
+    if isinstance(policy, CastPolicy) and policy.calibration is not None and row_regimes == "rows":
+        policy.calibration.regimes.newcomer_factor = lambda band: 1.0  # a new row reads as the shared map
     replay(drafter, policy, ids[0], refs[0], costs, max_new_tokens)  # warm-up, as castspec bench does
     per_prompt = []
     for prompt, prompt_ids, ref in zip(prompts, ids, refs, strict=True):
@@ -172,7 +178,7 @@ def plot(result: dict, sets: list[str], path: Path) -> None:
         s = d["speedups"]
         fixed = [m for m in s if not m.startswith("cast")]
         best = [max(s[m][c] for m in fixed) for c in columns]
-        for name, marker in (("cast, one map", "o"), ("cast, row regimes", "s")):
+        for name, marker in zip(CAST_VARIANTS, "o^s", strict=True):
             ax.plot(columns, [s[name][c] / b for c, b in zip(columns, best, strict=True)], marker=marker, label=name)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(0.97, color="grey", lw=0.8, ls="--")
