@@ -175,10 +175,30 @@ def test_auto_mode_skips_drafting_where_even_perfect_acceptance_cannot_pay():
     assert not CastPolicy(table(0.7, 0.4, fixed=0.3), auto=True).should_draft(ctx)
     assert CastPolicy(table(0.05, 0.1, fixed=0.95), auto=True).should_draft(ctx)
     assert CastPolicy(table(0.7, 0.4, fixed=0.3), auto=False).should_draft(ctx)  # the paper always drafts
-    # a drafter 40 tokens behind must absorb them in its first forward: that catch-up tips the balance
+    # a drafter 40 tokens behind must absorb them in its first forward (7.8 AR steps here): a row that has 4
+    # tokens left cannot earn that back, one with a long way to go spreads it over its next 64 tokens
     cheap = CastPolicy(table(0.05, 0.2, fixed=0.95), auto=True)
-    assert cheap.should_draft(StepContext(1, 16, pending=3))
-    assert not cheap.should_draft(StepContext(1, 16, pending=40))
+    assert cheap.should_draft(StepContext(1, 16, depth_limit=3, pending=3))
+    assert not cheap.should_draft(StepContext(1, 16, depth_limit=3, pending=40))
+    assert cheap.should_draft(StepContext(1, 16, depth_limit=500, pending=40))
+
+
+def test_a_drafting_step_pays_its_share_of_the_drafter_s_catch_up():
+    """The catch-up of a new prompt is charged to the drafting steps that use it, by the tokens they make out of
+    the next 64, in the goodput and in the payoff gate's gains, not whole to the first tree."""
+    from castspec.decode.tree import DraftTree
+
+    policy = CastPolicy(table(0.05, 0.2, fixed=0.95), auto=True, calibrate=True)
+    ctx = StepContext(1, 16, depth_limit=500, pending=41, rows=("new",))
+    assert policy.should_draft(ctx)
+    policy.start_step(ctx)  # catch-up: D(41) - D(1) = 8 AR steps
+    policy.observe_tree(DraftTree.chain([5, 6, 7, 8]), [1, 2, 3], row="new")
+    before = policy.payoff.expected
+    policy.observe(16, 1.0)  # 16 tokens: a quarter of the catch-up (2 AR steps) plus the one-token draft forward
+    gain = 16 - (1.0 + 0.2 + 8.0 * 16 / 64)
+    d = policy.payoff.decay
+    expected_total = d * policy.payoff.prior * before + (1 - d) * policy.payoff.prior * policy.payoff.prior_gain + gain
+    assert policy.payoff.total == pytest.approx(expected_total)
 
 
 # ---- acceptance calibration -------------------------------------------------------------------------------------

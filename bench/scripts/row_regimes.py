@@ -10,7 +10,7 @@ best fixed tree of the column.
 
 Run: .venv/bin/python bench/scripts/row_regimes.py bench/regret/NAME --costs COSTS.json
      [--references BENCH.json] [--sets mtbench,humaneval,gsm8k,repetitive] [--per-set 4] [--max-new-tokens 64]
-     [--drafters ngram,suffix]
+     [--drafters ngram,suffix] [--draft qwen2.5-coder-0.5b --drafters draft]
 COSTS.json: a learnt cost table of this target on this machine ($CASTSPEC_HOME/costs/online-*.json of a CAST run).
 BENCH.json: a `castspec bench` run whose AR rows give the references (else AR decodes them here, and they are
 kept in NAME-references.json for the next run). Writes NAME.json, NAME.md, NAME.png."""
@@ -67,10 +67,12 @@ def references(args, engine: Engine, prompts: list[dict], ids: list[list[int]], 
     return refs
 
 
-def run_method(label: str, target, costs, prompts, ids, refs, max_new_tokens: int, row_regimes: str = "newcomers"):
+def run_method(label: str, target, costs, prompts, ids, refs, max_new_tokens: int, row_regimes: str = "newcomers",
+               draft_model=None):
     """Per prompt: (set, AR seconds priced, decode seconds, tokens, steps), one policy for every prompt in turn."""
     spec = parse_methods(label)[0]
-    drafter, _ = method_parts(parse_methods(f"chain:{spec.drafter}")[0], target)  # a new drafter for each method
+    # a new drafter for each method
+    drafter, _ = method_parts(parse_methods(f"chain:{spec.drafter}")[0], target, draft_model)
     policy = make_policy(spec.method, **policy_options(spec, costs))
     if isinstance(policy, CastPolicy) and policy.calibration is not None and row_regimes == "none":
         policy.calibration.regimes = None
@@ -103,7 +105,8 @@ def main() -> None:
     parser.add_argument("--sets", default="mtbench,humaneval,gsm8k,repetitive")
     parser.add_argument("--per-set", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--drafters", default="ngram,suffix")
+    parser.add_argument("--drafters", default="ngram,suffix", help="ngram, suffix, draft (needs --draft)")
+    parser.add_argument("--draft", help="the draft model of the 'draft' drafter, e.g. qwen2.5-coder-0.5b")
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +116,7 @@ def main() -> None:
         kept_costs.write_text(json.dumps(table))
     costs = OnlineCostTable.load_learned(kept_costs, table["meta"])
     target, tokenizer = load_model(args.model, args.dtype)
+    draft_model = load_model(args.draft, args.dtype)[0] if args.draft else None
     engine = Engine(target, tokenizer)
     sets = [s for s in args.sets.split(",") if s]
     prompts = prompt_rows(args.sets, args.per_set, 0)
@@ -128,11 +132,12 @@ def main() -> None:
     for drafter in filter(None, args.drafters.split(",")):
         methods = {}
         for label in [f.format(d=drafter) for f in FIXED]:
-            methods[label] = run_method(label, target, costs, prompts, ids, refs, args.max_new_tokens)
+            methods[label] = run_method(label, target, costs, prompts, ids, refs, args.max_new_tokens,
+                                        draft_model=draft_model)
             log(f"{label}: {speedups(methods[label], sets)['all']:.3f}x")
         for name, row_regimes in CAST_VARIANTS.items():
             methods[name] = run_method(f"cast:{drafter}", target, costs, prompts, ids, refs, args.max_new_tokens,
-                                       row_regimes)
+                                       row_regimes, draft_model)
             log(f"{name} over {drafter}: {speedups(methods[name], sets)['all']:.3f}x")
         result["drafters"][drafter] = {"per_prompt": methods, "speedups": {m: speedups(p, sets)
                                                                           for m, p in methods.items()}}

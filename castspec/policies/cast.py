@@ -239,7 +239,8 @@ class DraftingPayoff:
     (request) the target has not yet been shown a drafted node for drafts anyway (`untried`), and its gain is
     counted like any other: a text that pays reopens the gate at once, one that does not adds one more loss. Worst
     case: one verified tree per request while drafting loses, sized by the calibrated map (which has learnt the
-    losses by then), plus the drafter's lookups on the steps before that where it had nothing to offer."""
+    losses by then), plus the drafter's lookups on the steps before that where it had nothing to offer, plus, for a
+    draft model, the try's catch-up of the request's prompt (the prompt's prefill on the draft model)."""
 
     KEEP_ROWS = 1024  # rows remembered as tried (one not named for this long would be tried again)
 
@@ -308,6 +309,7 @@ class Exploration:
 
 class CastPolicy(Policy):
     name = "cast"
+    CATCH_UP_HORIZON = 64  # tokens over which a drafter's catch-up is spread (`_catch_up_price`)
 
     def __init__(self, costs: CostTable, c1: float | None = 4.0, c2: float | None = 3.0, c3: float | None = 2.5,
                  fifo_size: int = 8, max_depth: int = 8, top_k: int = 8, max_verify: int = 64,
@@ -330,6 +332,7 @@ class CastPolicy(Policy):
         self._exploring = False
         self._new_row_try = False  # this step drafts past a closed payoff gate because it carries a new row
         self._step_price: float | None = None  # this step's price in AR steps so far; None: not drafting
+        self._catch_up, self._catch_up_horizon = 0.0, 1  # this step's drafter catch-up and the tokens it is spread over
         self._row_keys: tuple = ()  # this step's rows (requests), for their own acceptance regimes
         self.ratios: deque[float] = deque([1.0], maxlen=fifo_size)
         self.goodput = None  # tokens per AR step's price, over recent steps (exponential average)
@@ -349,12 +352,12 @@ class CastPolicy(Policy):
         # from the same cost table (an AR step costs 1). Tokens per wall second times the table's AR seconds mixed
         # two clocks: under a table whose seconds are not this machine's (a profile of another hour, a synthetic
         # one), the threshold came out many times too high and CAST drafted nothing.
-        price = 1.0 if self._step_price is None else self._step_price
+        price = 1.0 if self._step_price is None else self._step_price + self._catch_up * self._catch_up_share(tokens)
         rate = tokens / price
         self.goodput = rate if self.goodput is None else 0.8 * self.goodput + 0.2 * rate
         # a try is priced by the very table it questions: its gain says nothing of what drafting pays
         if self.payoff is not None and not self._exploring:
-            self.payoff.observe(None if self._step_price is None else tokens - self._step_price)
+            self.payoff.observe(None if self._step_price is None else tokens - price)
         self._step_price = None
 
     def observe_tree(self, tree: DraftTree, path: list[int], row: Hashable | None = None) -> None:
@@ -386,13 +389,34 @@ class CastPolicy(Policy):
 
     # ---- decisions ----------------------------------------------------------------------------------------
 
+    def _catch_up_price(self, ctx: StepContext) -> tuple[float, int]:
+        """The drafter's catch-up in AR steps (its first forward's price beyond one token: the tokens accepted
+        since it last ran, a new request's whole prompt) and the tokens it is spread over.
+
+        A catch-up is paid once and serves every later drafting step of the rows, so each drafting step is
+        charged the share of it that its tokens are of the next `CATCH_UP_HORIZON` (fewer where the rows end
+        sooner). Charged whole to the first step, as before, a draft model's catch-up of a new prompt (150 tokens:
+        6.9 AR steps on the AVX2 EPYC, where a one-token draft forward costs 0.48) outweighed any one tree, and
+        every step skipped made the next catch-up dearer: CAST over the draft model drafted on 4 of 43 steps of a
+        HumanEval prompt that the chain of 16 decoded in 4 steps (bench/regret). Worst case: catching up on every
+        token, at the drafter's prefill price per token (0.046 AR steps for the 0.5B draft model there, ~0 for a
+        lookup drafter)."""
+        b, c = ctx.batch_size, ctx.context_length
+        if ctx.pending <= 1:
+            return 0.0, 1
+        extra = self.costs.normalised_draft(b, c, ctx.pending) - self.costs.normalised_draft(b, c, 1)
+        return max(0.0, extra), max(1, min(self.CATCH_UP_HORIZON, ctx.depth_limit + 1))
+
+    def _catch_up_share(self, tokens: int) -> float:
+        return min(1.0, tokens / self._catch_up_horizon)
+
     def start_step(self, ctx: StepContext) -> None:
         self._layer_utility: float | None = None
         self._drafted = 0
-        # the first draft forward absorbs every token accepted since the drafter last ran; verifying nothing
-        # costs one AR step
-        self._step_price = 1.0 + self.costs.normalised_draft(ctx.batch_size, ctx.context_length,
-                                                             max(1, ctx.pending))
+        # verifying nothing costs one AR step; the first draft forward's catch-up beyond one token is charged
+        # by its share (`_catch_up_price`) once the step's tokens are known
+        self._step_price = 1.0 + self.costs.normalised_draft(ctx.batch_size, ctx.context_length, 1)
+        self._catch_up, self._catch_up_horizon = self._catch_up_price(ctx)
         self._row_keys = ctx.rows
         self.trace = {"context": ctx.context_length, "batch_size": ctx.batch_size, "layers": []}
         if self.payoff is not None:
@@ -426,9 +450,9 @@ class CastPolicy(Policy):
         b, c = ctx.batch_size, ctx.context_length
         step = self.costs.normalised_draft(b, c, 1)
         # the first draft layer shares its forward with the catch-up of every token absorbed since the drafter
-        # last ran: after skipped steps that forward is wider, and drafting must pay for it too
-        first = self.costs.normalised_draft(b, c, max(1, ctx.pending))
-        if any(d > first + (d - 1) * step + self.costs.normalised_target(b, c, d + 1) - 1.0
+        # last ran (a new prompt, skipped steps): drafting d tokens must pay for its share of it too
+        catch_up, horizon = self._catch_up_price(ctx)
+        if any(d > d * step + catch_up * min(1.0, d / horizon) + self.costs.normalised_target(b, c, d + 1) - 1.0
                for d in range(1, min(self.max_depth, ctx.depth_limit) + 1)):
             return True
         if self.exploration is not None and self.exploration.due():
