@@ -41,6 +41,22 @@ def test_batched_ancestor_masks_equal_the_per_tree_walk():
         assert not masks[b, :n, n:].any()
 
 
+@pytest.mark.parametrize("widest", [20, 62, 63, 90])  # the integer-bit walk up to 62 nodes, levels beyond
+def test_ancestor_masks_of_random_trees_equal_the_per_tree_walk(widest):
+    generator = torch.Generator().manual_seed(widest)
+    sizes = [widest, 1, *torch.randint(1, widest + 1, (3,), generator=generator).tolist()]
+    trees = []
+    for n in sizes:
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
+        trees.append(DraftTree.from_lists(list(range(n)), parents, [1.0] * n))
+    masks = ancestor_masks(trees, widest)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        assert torch.equal(masks[b, :n, :n], _naive_ancestor_mask(tree.parents.tolist()))
+        assert torch.equal(masks[b, n:], torch.eye(widest, dtype=torch.bool)[n:])
+        assert not masks[b, :n, n:].any()
+
+
 def test_tree_pool_keeps_paths_and_depths_as_it_grows():
     pool = TreePool(4)
     first = pool.append([10, 11], [0, 0])

@@ -60,43 +60,44 @@ class _Pool(TreePool):
 def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candidates],
                 policy: Policy | None = None, layer: int = 1) -> tuple[list[list[int]], torch.Tensor]:
     """Append every row's frontier children (the nodes of depth `layer`) to its pool, best first (draw order among
-    equals), in one batch of tensor operations for all rows. Returns each row's new node indices and their
-    utilities, one row per pool [B, n] padded with 0 (what `Policy.width` reads)."""
+    equals). Returns each row's new node indices and their utilities, one row per pool [B, n] padded with 0 (what
+    `Policy.width` reads). The utilities and scores are one batch of tensor products (the policy's calibration
+    works on tensors); the ranking is a plain sort of Python tuples: a layer has a few dozen candidates, and on
+    so few the dispatch of a dozen small tensor ops (nonzero, sorts, bincount, gathers) cost ~0.4 ms a layer."""
     k = max(c.probs.shape[1] for c in cands)
 
     def stacked(part: str) -> torch.Tensor:
+        if len(cands) == 1:
+            return getattr(cands[0], part).cpu()
         return torch.cat([torch.nn.functional.pad(getattr(c, part).cpu(), (0, k - c.probs.shape[1])) for c in cands])
 
     probs, tokens = stacked("probs"), stacked("tokens")  # [sum of frontier sizes, k]
     flat_parents = [(b, node) for b, frontier in enumerate(frontiers) for node in frontier]
-    parent_scores = torch.tensor([pools[b].scores[node] for b, node in flat_parents])[:, None]
-    parent_utilities = torch.tensor([pools[b].utilities[node] for b, node in flat_parents])[:, None]
+    parent_scores, parent_utilities = torch.tensor(
+        [[pools[b].scores[node], pools[b].utilities[node]] for b, node in flat_parents]).reshape(-1, 2).split(1, 1)
     parent_rows = [b for b, _ in flat_parents]
     if policy is not None:
-        utilities = policy.node_utility(probs, parent_utilities, layer, parent_rows).flatten()
+        utilities = policy.node_utility(probs, parent_utilities, layer, parent_rows)
     else:
-        utilities = (probs * parent_utilities).flatten()
-    scores = (probs * parent_scores).flatten()
-    row_of = torch.tensor(parent_rows, dtype=torch.long).repeat_interleave(k)
-    real = (probs.flatten() > 0).nonzero().flatten()
-    by_utility = real[torch.sort(utilities[real], descending=True, stable=True).indices]
-    order = by_utility[torch.sort(row_of[by_utility], stable=True).indices]  # row by row, best first in each
-    counts = torch.bincount(row_of[order], minlength=len(pools)).tolist()
-    sorted_utilities = utilities[order]
-    order_list = order.tolist()
-    token_list, score_list = tokens.flatten()[order].tolist(), scores[order].tolist()
-    utility_list = sorted_utilities.tolist()
-    padded = torch.zeros(len(pools), max(counts, default=0))
-    nodes, first = [], 0
-    for b, (pool, count) in enumerate(zip(pools, counts, strict=True)):
-        last = first + count
-        parents = [flat_parents[i // k][1] for i in order_list[first:last]]
-        nodes.append(list(pool.append(token_list[first:last], parents)))
-        pool.scores += score_list[first:last]
-        pool.utilities += utility_list[first:last]
-        padded[b, :count] = sorted_utilities[first:last]
-        first = last
-    return nodes, padded
+        utilities = probs * parent_utilities
+    prob_rows, token_rows = probs.tolist(), tokens.tolist()
+    utility_rows, score_rows = utilities.reshape(len(flat_parents), k).tolist(), (probs * parent_scores).tolist()
+    # per row: (-utility, draw index, token, score, parent); sorting ranks by utility, then draw order
+    ranked: list[list[tuple[float, int, int, float, int]]] = [[] for _ in pools]
+    for i, (b, parent) in enumerate(flat_parents):
+        for j, prob in enumerate(prob_rows[i]):
+            if prob > 0:
+                ranked[b].append((-utility_rows[i][j], i * k + j, token_rows[i][j], score_rows[i][j], parent))
+    size = max((len(entries) for entries in ranked), default=0)
+    nodes, padded = [], []
+    for pool, entries in zip(pools, ranked, strict=True):
+        entries.sort()
+        nodes.append(list(pool.append([e[2] for e in entries], [e[4] for e in entries])))
+        pool.scores += [e[3] for e in entries]
+        row_utilities = [-e[0] for e in entries]
+        pool.utilities += row_utilities
+        padded.append(row_utilities + [0.0] * (size - len(entries)))
+    return nodes, torch.tensor(padded, dtype=torch.float32).reshape(len(pools), size)
 
 
 def _record_proposals(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candidates]) -> None:

@@ -173,19 +173,20 @@ def plan(cache: SlotCache, trees: list[tuple[int, DraftTree]], chunks: list[tupl
     """Pack one forward: `trees` (slot, tree) are verified after their slots' entries; `chunks` (slot, tokens,
     start position) are prompt tokens appended to their slots. Returns (tokens [1, Q], positions [1, Q],
     batch); tree tokens come first, in the order given, then the chunks."""
+    # slots and columns as plain lists, one tensor each at the end (a step has a few; per-tree tensors cost more)
     tokens, positions, slots, columns = [], [], [], []
     for slot, tree in trees:
         fill = cache.fill[slot]
         tokens.append(tree.tokens)
         positions.append(tree.depths + fill)
-        slots.append(torch.full((len(tree),), slot, dtype=torch.long))
-        columns.append(torch.arange(fill, fill + len(tree)))
+        slots += [slot] * len(tree)
+        columns += range(fill, fill + len(tree))
     for slot, chunk, start in chunks:
         tokens.append(torch.tensor(chunk, dtype=torch.long))
         positions.append(torch.arange(start, start + len(chunk)))
-        slots.append(torch.full((len(chunk),), slot, dtype=torch.long))
-        columns.append(torch.arange(start, start + len(chunk)))
-    need = max(int(c[-1]) + 1 for c in columns)
+        slots += [slot] * len(chunk)
+        columns += range(start, start + len(chunk))
+    need = max(columns) + 1
     small, bounds, masks, offset = [], [], [], 0
     for slot, tree in trees:
         if len(tree) > OWN_ATTENTION_TOKENS:  # a long chain (a profile or a wide budget) is attended alone
@@ -201,11 +202,11 @@ def plan(cache: SlotCache, trees: list[tuple[int, DraftTree]], chunks: list[tupl
         offset += len(chunk)
     if small:  # the batched attention reads every row of it as wide as the widest tree
         need = max(need, max(cache.fill[slot] for _, slot, _ in small) + max(len(t) for _, _, t in small))
-    cache.ensure(max(int(s[0]) for s in slots) + 1, need)
+    cache.ensure(max(slots) + 1, need)
     alone = _Chunks(torch.tensor(bounds, dtype=torch.long).reshape(-1),
                     torch.cat(masks).to(device) if masks else torch.zeros(0, dtype=torch.bool, device=device))
-    batch = RaggedBatch(torch.cat(slots).to(device), torch.cat(columns).to(device), _group(cache, small, device),
-                        alone)
+    batch = RaggedBatch(torch.tensor(slots, dtype=torch.long, device=device),
+                        torch.tensor(columns, dtype=torch.long, device=device), _group(cache, small, device), alone)
     return torch.cat(tokens)[None].to(device), torch.cat(positions)[None].to(device), batch
 
 
@@ -221,25 +222,26 @@ def _group(cache: SlotCache, rows: list[tuple[int, int, DraftTree]], device) -> 
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return _Group(empty, empty, empty, torch.zeros(0, 1, 0, 0, dtype=torch.bool, device=device))
     slot_ids = [slot for _, slot, _ in rows]
-    slot_count = max(slot_ids) + 1
-    width = max(len(tree) for _, _, tree in rows)
-    fills = torch.tensor([cache.fill[slot] for slot in slot_ids])
-    keys = int((fills + width).max())
-    # row r's query i sees its slot's entries before `fill` and its own tree's ancestors after it
     trees = [tree for _, _, tree in rows]
-    ancestors = ancestor_masks(trees, width)  # [R, width, width]
-    real = torch.arange(width)[None] < torch.tensor([len(t) for t in trees])[:, None]  # [R, width]
-    column = torch.arange(keys)[None, None]  # [1, 1, keys]
-    start = fills[:, None, None]
-    inside = (column >= start) & (column < start + width)
-    in_tree = ancestors.gather(2, (column - start).clamp(0, width - 1).expand(-1, width, -1)) & inside
-    seen = ((column < start) & real[:, :, None]) | in_tree  # [R, width, keys]
-    mask = torch.zeros(slot_count, 1, width, keys, dtype=torch.bool)
-    mask[:, :, :, 0] = True  # slots without a tree in the window: one key, so their (unused) rows stay finite
-    mask[torch.tensor(slot_ids), 0] = seen
-    packed = torch.cat([torch.arange(offset, offset + len(t)) for offset, _, t in rows])
-    slot = torch.cat([torch.full((len(t),), s, dtype=torch.long) for _, s, t in rows])
-    node = torch.cat([torch.arange(len(t)) for t in trees])
+    lengths = [len(tree) for tree in trees]
+    width = max(lengths)
+    fills = [cache.fill[slot] for slot in slot_ids]
+    keys = max(fills) + width
+    # row r's query i sees its slot's entries before `fill` and its own tree's ancestors after it; few tensor
+    # ops whatever the batch (each small op costs microseconds of dispatch on a CPU, a step has one such mask)
+    start = torch.tensor(fills)[:, None, None]
+    real = torch.arange(width)[None, :, None] < torch.tensor(lengths)[:, None, None]  # [R, width, 1]
+    seen = (torch.arange(keys) < start) & real  # [R, width, keys]: the prefix
+    seen.scatter_(2, (start + torch.arange(width)).expand(-1, width, -1), ancestor_masks(trees, width))
+    if slot_ids == list(range(len(slot_ids))):
+        mask = seen[:, None]
+    else:
+        mask = torch.zeros(max(slot_ids) + 1, 1, width, keys, dtype=torch.bool)
+        mask[:, :, :, 0] = True  # slots without a tree in the window: one key, so their (unused) rows stay finite
+        mask[torch.tensor(slot_ids), 0] = seen
+    packed = torch.tensor([offset + i for offset, _, tree in rows for i in range(len(tree))], dtype=torch.long)
+    slot = torch.tensor([s for _, s, tree in rows for _ in range(len(tree))], dtype=torch.long)
+    node = torch.tensor([i for length in lengths for i in range(length)], dtype=torch.long)
     mask = mask.repeat(1, 1, cache.query_group, 1)  # as `_attend` stacks each key head's query heads
     return _Group(packed.to(device), slot.to(device), node.to(device), mask.to(device))
 

@@ -158,6 +158,9 @@ class TreePool:
                          dict(proposals or {}))
 
 
+_BIT_WIDTH = 62  # node sets as the bits of an int64, its sign bit left alone
+
+
 def padded_rows(rows: list[torch.Tensor], width: int, fill: int) -> torch.Tensor:
     """1-D tensors as the rows of one [len(rows), width] tensor, right-padded with `fill`."""
     out = torch.full((len(rows), width), fill, dtype=rows[0].dtype)
@@ -167,8 +170,19 @@ def padded_rows(rows: list[torch.Tensor], width: int, fill: int) -> torch.Tensor
 
 
 def ancestor_masks(trees: list[DraftTree], width: int) -> torch.Tensor:
-    """[B, width, width] bool: row b's `ancestor_mask`, padded (a padding node sees only itself). Built one tree
-    level at a time for the whole batch: every node's k-th ancestor is marked at step k."""
+    """[B, width, width] bool: row b's `ancestor_mask`, padded (a padding node sees only itself). Trees up to
+    `_BIT_WIDTH` wide (every verified tree but a long profile chain) are walked in Python, each node's ancestor
+    set an integer's bits (its parent's, plus itself), and unpacked in one shift: a few tensor ops for the whole
+    batch, where the level-by-level indexing below took ~0.4 ms on a 2-core CPU for a 16-node tree."""
+    if width <= _BIT_WIDTH:
+        bits = []
+        for tree in trees:
+            row: list[int] = []
+            for parent in tree.parents.tolist():
+                row.append((row[parent] if parent >= 0 else 0) | 1 << len(row))
+            bits.append(row + [1 << i for i in range(len(row), width)])
+        return (torch.tensor(bits, dtype=torch.long)[:, :, None] >> torch.arange(width)) & 1 == 1
+    # wider: every node's k-th ancestor is marked at step k, one tree level at a time for the whole batch
     parents = padded_rows([t.parents for t in trees], width, -1)
     mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
     rows = torch.arange(len(trees))[:, None].expand_as(parents)
