@@ -100,6 +100,13 @@ def headline(data: dict) -> str:
         return "grammar mask median: " + ", ".join(
             f"{name} {e.get('mask_us_median', float('nan')):.0f} us ({e.get('installed_mib', '?')} MiB)"
             for name, e in engines.items())
+    pairs = data.get("summary") if isinstance(data.get("summary"), list) else []
+    pairs = [r for r in pairs if isinstance(r, dict) and all(isinstance(r.get(k), dict) and "host_ms" in r[k]
+                                                              for k in ("before", "after"))]
+    if pairs:  # bench/scripts/overhead_ab.py: the widest tree at the smallest batch, before -> after
+        row = min(pairs, key=lambda r: (r.get("batch_size", 0), -r["after"].get("nodes", 0)))
+        return (f"host ms per step before -> after: {row['method']} B={row.get('batch_size')} "
+                f"{row['before']['host_ms']:.2f} -> {row['after']['host_ms']:.2f}")
     host = [r["host_ms"] for r in data.get("rows", []) if isinstance(r, dict) and "host_ms" in r]
     if host:
         return f"host time per step {min(host):.2f}-{max(host):.2f} ms over {len(host)} methods"
