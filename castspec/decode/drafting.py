@@ -51,10 +51,10 @@ class _Pool(TreePool):
         new_index = {node: i for i, node in enumerate(keep)}
         parents = [-1] + [new_index[self.parents[node]] for node in keep[1:]]
         proposals = {new_index[node]: prop for node, prop in self.proposals.items() if node in new_index}
-        return DraftTree(torch.tensor([self.tokens[n] for n in keep], dtype=torch.long),
-                         torch.tensor(parents, dtype=torch.long),
-                         torch.tensor([self.scores[n] for n in keep], dtype=torch.float32),
-                         torch.tensor([self.depths[n] for n in keep], dtype=torch.long), proposals)
+        tokens, parents, depths = torch.tensor([[self.tokens[n] for n in keep], parents,
+                                                [self.depths[n] for n in keep]], dtype=torch.long)
+        return DraftTree(tokens, parents, torch.tensor([self.scores[n] for n in keep], dtype=torch.float32), depths,
+                         proposals)
 
 
 def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candidates],
@@ -181,20 +181,16 @@ def grow_trees(
     if all(len(pool) == 1 for pool in pools):
         return [pool.tree() for pool in pools], record
     # rank by utility, ties broken by depth so that a parent always outranks its child (ancestor-closed set:
-    # a child's utility never exceeds its parent's); padding ranks last
-    size = max(len(pool) for pool in pools)
-    utilities = torch.full((len(pools), size), -torch.inf, dtype=torch.float64)
-    depths = torch.zeros(len(pools), size, dtype=torch.float64)
-    for b, pool in enumerate(pools):
-        utilities[b, : len(pool)] = torch.tensor(pool.utilities, dtype=torch.float64)
-        depths[b, : len(pool)] = torch.tensor(pool.depths, dtype=torch.float64)
-    ranked = torch.sort(utilities[:, 1:] - depths[:, 1:] * 1e-12, dim=1, descending=True, stable=True).indices + 1
-    scores = utilities.gather(1, ranked).clamp(min=0).float()  # padding: 0
+    # a child's utility never exceeds its parent's), then by drafting order; a Python sort, as in `_add_layers`
+    ranked = [sorted(range(1, len(pool)), key=lambda node, pool=pool: (-pool.utilities[node], pool.depths[node]))
+              for pool in pools]
+    size = max(len(row) for row in ranked)
+    scores = torch.tensor([[max(pool.utilities[node], 0.0) for node in row] + [0.0] * (size - len(row))
+                           for pool, row in zip(pools, ranked, strict=True)], dtype=torch.float32)  # padding: 0
     budget = max(0, min(policy.verify_budget(scores, ctx), scores.shape[1]))
     record.verify_budget = budget
     record.decisions = dict(getattr(policy, "trace", {}))
-    kept = ranked[:, :budget].tolist()
-    trees = [pool.tree([0, *(node for node in row if node < len(pool))]) for pool, row in zip(pools, kept, strict=True)]
+    trees = [pool.tree([0, *row[:budget]]) for pool, row in zip(pools, ranked, strict=True)]
     return trees, record
 
 
