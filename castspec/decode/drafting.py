@@ -61,9 +61,10 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
                 policy: Policy | None = None, layer: int = 1) -> tuple[list[list[int]], torch.Tensor]:
     """Append every row's frontier children (the nodes of depth `layer`) to its pool, best first (draw order among
     equals). Returns each row's new node indices and their utilities, one row per pool [B, n] padded with 0 (what
-    `Policy.width` reads). The utilities and scores are one batch of tensor products (the policy's calibration
-    works on tensors); the ranking is a plain sort of Python tuples: a layer has a few dozen candidates, and on
-    so few the dispatch of a dozen small tensor ops (nonzero, sorts, bincount, gathers) cost ~0.4 ms a layer."""
+    `Policy.width` reads). The utilities are one batch of tensor products (the policy's calibration works on
+    tensors); the scores (draft probability products) and the ranking are plain Python: a layer has a few dozen
+    candidates, and on so few the dispatch of a dozen small tensor ops (nonzero, sorts, bincount, gathers) cost
+    ~0.4 ms a layer."""
     k = max(c.probs.shape[1] for c in cands)
 
     def stacked(part: str) -> torch.Tensor:
@@ -73,21 +74,21 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
 
     probs, tokens = stacked("probs"), stacked("tokens")  # [sum of frontier sizes, k]
     flat_parents = [(b, node) for b, frontier in enumerate(frontiers) for node in frontier]
-    parent_scores, parent_utilities = torch.tensor(
-        [[pools[b].scores[node], pools[b].utilities[node]] for b, node in flat_parents]).reshape(-1, 2).split(1, 1)
+    parent_utilities = torch.tensor([pools[b].utilities[node] for b, node in flat_parents])[:, None]
     parent_rows = [b for b, _ in flat_parents]
     if policy is not None:
         utilities = policy.node_utility(probs, parent_utilities, layer, parent_rows)
     else:
         utilities = probs * parent_utilities
     prob_rows, token_rows = probs.tolist(), tokens.tolist()
-    utility_rows, score_rows = utilities.reshape(len(flat_parents), k).tolist(), (probs * parent_scores).tolist()
+    utility_rows = utilities.reshape(len(flat_parents), k).tolist()
     # per row: (-utility, draw index, token, score, parent); sorting ranks by utility, then draw order
     ranked: list[list[tuple[float, int, int, float, int]]] = [[] for _ in pools]
     for i, (b, parent) in enumerate(flat_parents):
+        parent_score = pools[b].scores[parent]
         for j, prob in enumerate(prob_rows[i]):
             if prob > 0:
-                ranked[b].append((-utility_rows[i][j], i * k + j, token_rows[i][j], score_rows[i][j], parent))
+                ranked[b].append((-utility_rows[i][j], i * k + j, token_rows[i][j], prob * parent_score, parent))
     size = max((len(entries) for entries in ranked), default=0)
     nodes, padded = [], []
     for pool, entries in zip(pools, ranked, strict=True):

@@ -80,23 +80,27 @@ class DraftModelDrafter(Drafter):
         # rows absorb different numbers of tokens: right-align them (holes on the left) so that the last column
         # is every row's root and one logits row per sequence suffices
         start, width, rows = kv.cache_length(self.cache), max(len(t) for t in new_tokens), len(new_tokens)
-        tokens = torch.zeros(rows, width, dtype=torch.long)
-        positions = torch.zeros(rows, width, dtype=torch.long)
-        chunk_valid = torch.zeros(rows, width, dtype=torch.bool)
+        holes = [width - len(new) for new in new_tokens]
+        ids = torch.tensor([[0] * hole + list(new) for hole, new in zip(holes, new_tokens, strict=True)]
+                           + [[0] * hole + list(range(self.lengths[row], self.lengths[row] + len(new)))
+                              for row, (hole, new) in enumerate(zip(holes, new_tokens, strict=True))])
+        tokens, positions = ids[:rows], ids[rows:]
         inputs = None if not self.feature_layers else torch.zeros(rows, width, features[0].shape[-1],
                                                                     dtype=features[0].dtype)
         for row, new in enumerate(new_tokens):
-            tokens[row, width - len(new):] = torch.tensor(new)
-            positions[row, width - len(new):] = torch.arange(self.lengths[row], self.lengths[row] + len(new))
-            chunk_valid[row, width - len(new):] = True
             if inputs is not None:
-                inputs[row, width - len(new):] = features[row].cpu()
+                inputs[row, holes[row]:] = features[row].cpu()
             self.lengths[row] += len(new)
         causal = torch.ones(width, width, dtype=torch.bool).tril()
-        mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), causal[None] & chunk_valid[:, None, :]],
-                         dim=2)
-        mask &= chunk_valid[:, :, None]  # a hole sees only itself
-        mask[:, :, start:] |= torch.eye(width, dtype=torch.bool)
+        if not any(holes):  # every row absorbs as many tokens (always so at B = 1): causal over the chunk
+            chunk_valid = torch.ones(rows, width, dtype=torch.bool)
+            mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), causal[None].expand(rows, -1, -1)], dim=2)
+        else:
+            chunk_valid = torch.tensor([[False] * hole + [True] * (width - hole) for hole in holes])
+            mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), causal[None] & chunk_valid[:, None, :]],
+                             dim=2)
+            mask &= chunk_valid[:, :, None]  # a hole sees only itself
+            mask[:, :, start:] |= torch.eye(width, dtype=torch.bool)
         logits, hidden = self._run(tokens.to(self.device), positions.to(self.device), mask[:, None].to(self.device),
                                    None if inputs is None else inputs.to(self.device), last_only=True)
         self.valid = torch.cat([self.valid, chunk_valid], dim=1)
@@ -110,30 +114,32 @@ class DraftModelDrafter(Drafter):
         past, width = kv.cache_length(self.cache), max(len(f) for f in frontiers)
         if width == 0:
             return [empty_candidates(top_k) for _ in frontiers]
-        rows = len(frontiers)
-        tokens, positions = [[0] * width for _ in range(rows)], [[0] * width for _ in range(rows)]
-        # every slot sees its row's accepted prefix and itself; a node also sees its ancestors' tree entries
-        mask = torch.zeros(rows, width, past + width, dtype=torch.bool)
-        mask[:, :, : self.base] = self.valid[:, None, : self.base]
-        mask[:, :, past:] = torch.eye(width, dtype=torch.bool)
-        seen_rows, seen_slots, seen_columns = [], [], []
+        rows, tree_columns = len(frontiers), past - self.base + width
+        # the inputs as Python lists, turned into tensors in two calls: a layer has a few dozen slots, and on so few
+        # the dispatch of a dozen small indexed writes into a mask cost more than the lists (~0.1 ms a layer)
+        tokens, positions, seen = [[0] * width for _ in range(rows)], [[0] * width for _ in range(rows)], []
         for row, (pool, frontier) in enumerate(zip(pools, frontiers, strict=True)):
-            columns = self.cached_nodes[row]
-            for i, node in enumerate(frontier):
-                tokens[row][i] = pool.tokens[node]
-                positions[row][i] = self.lengths[row] - 1 + pool.depths[node]
-                ancestors = [columns[a] for a in pool.path_to(node)[:-1]]
-                seen_rows += [row] * len(ancestors)
-                seen_slots += [i] * len(ancestors)
-                seen_columns += ancestors
-                columns[node] = past + i
-            mask[row, len(frontier):, : self.base] = False  # padding slots see nothing but themselves
-        if seen_columns:
-            mask[seen_rows, seen_slots, seen_columns] = True
+            columns, row_seen = self.cached_nodes[row], []
+            for i in range(width):  # a slot sees its ancestors' tree entries and itself; padding slots only themselves
+                slot_seen = [False] * tree_columns
+                slot_seen[past - self.base + i] = True
+                if i < len(frontier):
+                    node = frontier[i]
+                    tokens[row][i] = pool.tokens[node]
+                    positions[row][i] = self.lengths[row] - 1 + pool.depths[node]
+                    for ancestor in pool.path_to(node)[:-1]:
+                        slot_seen[columns[ancestor] - self.base] = True
+                    columns[node] = past + i
+                row_seen.append(slot_seen)
+            seen.append(row_seen)
+        # every real slot sees its row's accepted prefix
+        prefix = self.valid[:, None, : self.base].expand(rows, width, self.base)
+        if any(len(f) < width for f in frontiers):
+            prefix = prefix & torch.tensor([[i < len(f) for i in range(width)] for f in frontiers])[:, :, None]
+        mask = torch.cat([prefix, torch.tensor(seen, dtype=torch.bool).reshape(rows, width, tree_columns)], dim=2)
+        inputs = torch.tensor([tokens, positions], device=self.device)
         features = self._frontier_features(pools, frontiers, width) if self.feature_layers else None
-        logits, hidden = self._run(torch.tensor(tokens, device=self.device),
-                                   torch.tensor(positions, device=self.device), mask[:, None].to(self.device),
-                                   features, last_only=False)
+        logits, hidden = self._run(inputs[0], inputs[1], mask[:, None].to(self.device), features, last_only=False)
         if hidden is not None:
             self._remember_frontier(frontiers, hidden)
         cands = self._candidates(logits, top_k)
