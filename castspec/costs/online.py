@@ -37,6 +37,9 @@ from castspec.errors import CastspecError
 BATCH_AXIS = [1, 2, 4, 8, 16, 32, 64]
 CONTEXT_AXIS = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 TOKEN_AXIS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+# [K, 3]: every cell's grid indices, in the order of the grid's flattening
+_GRID_INDICES = torch.cartesian_prod(*(torch.arange(len(a), dtype=torch.float64)
+                                       for a in (BATCH_AXIS, CONTEXT_AXIS, TOKEN_AXIS)))
 ONLINE_FORMAT = "castspec-online-cost/1"
 # a draft forward under this share of an AR step, by its timing and by the table, is not learnt (observe_draft)
 NEGLIGIBLE_DRAFT = 0.01
@@ -117,6 +120,8 @@ class LearnedCurve:
         self.observations = self.shifts = 0
         self._grid: CostGrid | None = None
         self._stale = 0
+        self._kernel_keys: list[tuple[int, int, int]] = []
+        self._kernel = torch.zeros(len(_GRID_INDICES), 0, dtype=torch.float64)
 
     # ---- reading ------------------------------------------------------------------------------------------
 
@@ -169,11 +174,10 @@ class LearnedCurve:
         weights = torch.tensor([min(w, 8.0) for _, w in self.cells.values()], dtype=torch.float64)
         log_prior = self._log_prior_grid()
         residuals = estimates - log_prior[tuple(keys.long().T)]
-        every = torch.cartesian_prod(*(torch.arange(len(a), dtype=torch.float64)
-                                       for a in (BATCH_AXIS, CONTEXT_AXIS, TOKEN_AXIS)))  # [K, 3]
-        squared = (every.pow(2).sum(1)[:, None] + keys.pow(2).sum(1)[None] - 2 * every @ keys.T).clamp(min=0)
-        near = weights / (1.0 + squared).pow(2)  # [K, S]: inverse-distance weights in grid steps
-        filled = (near @ residuals / near.sum(1)).reshape(log_prior.shape)
+        # every cell's residual: the seen cells' residuals weighted by timings and inverse distance, as two
+        # products with the cached [K, S] kernel (no elementwise pass over it: 1.5 of a 4.4 ms rebuild before)
+        kernel = self._distance_kernel()
+        filled = (kernel @ (weights * residuals) / (kernel @ weights)).reshape(log_prior.shape)
         values = log_prior + filled
         seen = tuple(keys.long().T)
         values[seen] = estimates
@@ -206,6 +210,20 @@ class LearnedCurve:
         for dim in range(3):  # what the fit's tolerance leaves
             values = torch.cummax(values, dim=dim).values
         return CostGrid(list(BATCH_AXIS), list(CONTEXT_AXIS), list(TOKEN_AXIS), values.tolist(), already_monotone=True)
+
+    def _distance_kernel(self) -> torch.Tensor:
+        """[K, S]: 1 / (1 + d^2)^2 between every grid cell and each seen cell (d in grid steps), in `cells`'
+        order. Kept between rebuilds: cells are only ever added, so a rebuild computes the new cells' columns."""
+        keys = list(self.cells)
+        known = len(self._kernel_keys)
+        if self._kernel_keys != keys[:known]:  # not a prefix any more (cannot happen by `observe`): start over
+            known, self._kernel = 0, self._kernel[:, :0]
+        if known < len(keys):
+            new = torch.tensor(keys[known:], dtype=torch.float64)  # [S', 3] grid indices
+            squared = (_GRID_INDICES[:, None, :] - new[None]).pow(2).sum(2)
+            self._kernel = torch.cat([self._kernel, (1.0 + squared).pow(-2)], dim=1)
+            self._kernel_keys = keys
+        return self._kernel
 
     @staticmethod
     def _transfer_batches(values: torch.Tensor, seen_batches: list[int]) -> torch.Tensor:
