@@ -70,7 +70,8 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
     def stacked(part: str) -> torch.Tensor:
         if len(cands) == 1:
             return getattr(cands[0], part).cpu()
-        return torch.cat([torch.nn.functional.pad(getattr(c, part).cpu(), (0, k - c.probs.shape[1])) for c in cands])
+        parts = [getattr(c, part).cpu() for c in cands]
+        return torch.cat([p if p.shape[1] == k else torch.nn.functional.pad(p, (0, k - p.shape[1])) for p in parts])
 
     probs, tokens = stacked("probs"), stacked("tokens")  # [sum of frontier sizes, k]
     flat_parents = [(b, node) for b, frontier in enumerate(frontiers) for node in frontier]
