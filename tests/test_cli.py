@@ -242,6 +242,32 @@ def test_bench_resume_keeps_finished_prompts_and_runs_the_rest(tmp_path, capsys)
     assert len(grown) == 8 and [r for r in grown if r["prompt_id"] in (first, second)] == rows
 
 
+def test_bench_rounds_alternate_the_order_take_medians_and_grow_by_resume(tmp_path, capsys):
+    common = ["bench", "--model", "smollm2-135m", "--draft", "none", "--dtype", "fp32", "--sets", "gsm8k",
+              "--per-set", "1", "--max-new-tokens", "4", "--methods", "ar;eagle2:ngram:top_k=2,depth=2",
+              "--out-dir", str(tmp_path), "--name", "k"]
+    assert main([*common, "--rounds", "0"]) == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+    assert main([*common, "--rounds", "2"]) == 0
+    run = json.loads((tmp_path / "k.json").read_text())
+    rows = run["rows"]
+    # the second round runs the methods in reverse order
+    assert [(r["round"], r["method"]) for r in rows] == [(0, "ar"), (0, "eagle2:ngram:top_k=2,depth=2"),
+                                                         (1, "eagle2:ngram:top_k=2,depth=2"), (1, "ar")]
+    assert run["meta"]["rounds"] == 2
+    summary = {(s["task"], s["method"]): s for s in run["summary"]}
+    for method in ("ar", "eagle2:ngram:top_k=2,depth=2"):
+        mine = [r["tokens_per_s"] for r in rows if r["method"] == method]
+        entry = summary["all", method]
+        assert entry["prompts"] == 1 and entry["same_as_ar"] == 1
+        assert entry["tokens_per_s"] == round((mine[0] + mine[1]) / 2, 3)  # the median of two
+    # a finished run grows by a round; the measured rounds are kept as they were
+    assert main([*common, "--rounds", "3", "--resume"]) == 0
+    grown = json.loads((tmp_path / "k.json").read_text())["rows"]
+    assert grown[:4] == rows and [(r["round"], r["method"]) for r in grown[4:]] == [
+        (2, "ar"), (2, "eagle2:ngram:top_k=2,depth=2")]
+
+
 def test_demo_probes_costs_once_then_goes_on_from_what_it_learned(tmp_path, monkeypatch, capsys):
     from castspec.models import converted_dir, fetch
 

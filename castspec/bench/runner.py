@@ -212,11 +212,16 @@ def method_parts(spec: MethodSpec, target_model, draft_model=None, head=None) ->
 def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec], prompts: list[dict],
                   max_new_tokens: int, warmup: int = 1, partial: Path | None = None,
                   sampling: SamplingParams | None = None, draft_sampling: str = "topk", head=None,
-                  resume: bool = False) -> dict:
-    """Run every method on every prompt. With `partial`, each finished generation is appended there as a JSON
-    line at once, so an interrupted run keeps what it measured; `resume` takes the prompts that file holds
-    complete (every method) and runs only the rest, so a long benchmark can span several sittings (each prompt's
-    methods still run side by side). With `sampling`, every method samples with the same parameters and seed."""
+                  resume: bool = False, rounds: int = 1) -> dict:
+    """Run every method on every prompt, `rounds` times (every other round with the methods in reverse order, so
+    that a drift of the machine's speed within a prompt's methods falls on them alike; the summary takes each
+    prompt and method's median over the rounds). With `partial`, each finished generation is appended there as a
+    JSON line at once, so an interrupted run keeps what it measured; `resume` takes the prompts (of each round)
+    that file holds complete (every method) and runs only the rest, so a long benchmark can span several sittings
+    and a finished one can grow by prompts or rounds (each prompt's methods still run side by side). With
+    `sampling`, every method samples with the same parameters and seed."""
+    if rounds < 1:
+        raise CastspecError(f"--rounds must be at least 1 (got {rounds})")
     runners = _runners(target_model, tokenizer, draft_model, specs, head)
     encoder = next(r for r in runners.values() if isinstance(r, Engine)) if runners else None
     encoded = encode_prompts(encoder, prompts)
@@ -227,24 +232,28 @@ def run_benchmark(target_model, tokenizer, draft_model, specs: list[MethodSpec],
     if partial is not None:
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop any half-measured prompt
-    done = {r["prompt_id"] for r in rows}
-    progress = tqdm(total=len(prompts) * len(specs), initial=len(rows), desc="benchmark", unit="gen")
-    for prompt, ids in zip(prompts, encoded, strict=True):
-        if prompt["id"] in done:
-            continue
-        # methods interleaved per prompt so that machine noise hits them alike
-        for label, runner in runners.items():
-            progress.set_postfix_str(f"{prompt['id']} {label}")
-            output, wall, extra = _run(runner, ids, max_new_tokens, sampling, draft_sampling)
-            rows.append({"prompt_id": prompt["id"], "task": prompt.get("task", "custom"), "method": label,
-                         "new_tokens": len(output), "wall_s": wall, "tokens_per_s": len(output) / wall,
-                         "output_ids": output, **extra})
-            if partial is not None:
-                with open(partial, "a") as f:
-                    f.write(json.dumps(rows[-1]) + "\n")
-            progress.update()
+    done = {(r.get("round", 0), r["prompt_id"]) for r in rows}
+    progress = tqdm(total=rounds * len(prompts) * len(specs), initial=len(rows), desc="benchmark", unit="gen")
+    for round_index in range(rounds):
+        order = list(runners.items()) if round_index % 2 == 0 else list(runners.items())[::-1]
+        for prompt, ids in zip(prompts, encoded, strict=True):
+            if (round_index, prompt["id"]) in done:
+                continue
+            # methods interleaved per prompt so that machine noise hits them alike
+            for label, runner in order:
+                where = f" round {round_index + 1}" if rounds > 1 else ""
+                progress.set_postfix_str(f"{prompt['id']} {label}{where}")
+                output, wall, extra = _run(runner, ids, max_new_tokens, sampling, draft_sampling)
+                rows.append({"prompt_id": prompt["id"], "task": prompt.get("task", "custom"), "method": label,
+                             "round": round_index, "new_tokens": len(output), "wall_s": wall,
+                             "tokens_per_s": len(output) / wall, "output_ids": output, **extra})
+                if partial is not None:
+                    with open(partial, "a") as f:
+                        f.write(json.dumps(rows[-1]) + "\n")
+                progress.update()
     progress.close()
     meta = _meta(max_new_tokens, len(prompts))
+    meta["rounds"] = max(r.get("round", 0) for r in rows) + 1 if rows else rounds
     if sampling is not None and not sampling.greedy:
         meta["sampling"] = {**dataclasses.asdict(sampling), "draft_sampling": draft_sampling}
     return {"meta": meta, "rows": rows, "summary": summarise(rows, compare_outputs="sampling" not in meta)}
@@ -292,7 +301,7 @@ class RunFiles:
 
 
 def _finished_prompts(partial: Path | None, prompts: list[dict], specs: list[MethodSpec]) -> list[dict]:
-    """Rows of a previous sitting for the prompts it finished with every method (in this run's order)."""
+    """Rows of a previous sitting for the prompts (of each round) it finished with every method, round by round."""
     if partial is None or not partial.is_file():
         raise CastspecError(f"nothing to resume: {partial} does not exist (run without --resume first)")
     rows, lines = [], partial.read_text().splitlines()
@@ -305,12 +314,13 @@ def _finished_prompts(partial: Path | None, prompts: list[dict], specs: list[Met
             # the last line may have been cut by the interruption: that prompt is measured again
     wanted = {p["id"] for p in prompts}
     labels = [s.label for s in specs]
-    by_prompt: dict[str, dict[str, dict]] = {}
+    by_group: dict[tuple[int, str], dict[str, dict]] = {}  # (round, prompt) -> method -> row
     for row in rows:
         if row.get("prompt_id") in wanted and row.get("method") in labels:
-            by_prompt.setdefault(row["prompt_id"], {})[row["method"]] = row
-    return [by_prompt[p["id"]][label] for p in prompts if len(by_prompt.get(p["id"], {})) == len(labels)
-            for label in labels]
+            by_group.setdefault((row.get("round", 0), row["prompt_id"]), {})[row["method"]] = row
+    rounds = sorted({round_index for round_index, _ in by_group})
+    return [row for k in rounds for p in prompts if len(by_group.get((k, p["id"]), {})) == len(labels)
+            for row in by_group[k, p["id"]].values()]  # in the order they ran (odd rounds: reversed)
 
 
 def _run(runner, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -338,6 +348,7 @@ def summarise(rows: list[dict], compare_outputs: bool = True) -> list[dict]:
     """Per task (and 'all') and method: mean tokens/s, speed-up over AR, tau, tree size, depth, and (greedy
     runs only: sampled outputs differ by design) how many outputs equal AR's."""
     out = []
+    rows = _median_over_rounds(rows)
     tasks = sorted({r["task"] for r in rows}) + ["all"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for task in tasks:
@@ -357,9 +368,35 @@ def summarise(rows: list[dict], compare_outputs: bool = True) -> list[dict]:
                 if steps and all("drafting_steps" in r for r in mine):
                     row["drafted_share"] = round(sum(r["drafting_steps"] for r in mine) / steps, 3)
             if ar and compare_outputs:
-                row["same_as_ar"] = sum(r["output_ids"] == ar[r["prompt_id"]]["output_ids"] for r in mine)
+                row["same_as_ar"] = sum(r["output_ids"] is not None
+                                        and r["output_ids"] == ar[r["prompt_id"]]["output_ids"] for r in mine)
             out.append(row)
     return out
+
+
+_ROUND_MEANS = ("new_tokens", "steps", "mean_accepted", "mean_tree_size", "mean_depth", "drafting_steps", "draft_s",
+                "verify_s")
+
+
+def _median_over_rounds(rows: list[dict]) -> list[dict]:
+    """One row per prompt and method: with several rounds, its median tokens/s and wall time over them and the
+    rounds' mean steps and tree sizes; its outputs are None (never the same as AR's) unless every round's agree."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["prompt_id"], row["method"]), []).append(row)
+    if all(len(group) == 1 for group in groups.values()):
+        return rows
+    merged = []
+    for group in groups.values():
+        row = {**group[0], "rounds": len(group), "tokens_per_s": statistics.median(r["tokens_per_s"] for r in group),
+               "wall_s": statistics.median(r["wall_s"] for r in group)}
+        for key in _ROUND_MEANS:
+            if all(r.get(key) is not None for r in group):
+                row[key] = statistics.fmean(r[key] for r in group)
+        if any(r["output_ids"] != group[0]["output_ids"] for r in group):
+            row["output_ids"] = None
+        merged.append(row)
+    return merged
 
 
 def _meta(max_new_tokens: int, prompts: int) -> dict:

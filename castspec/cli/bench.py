@@ -45,6 +45,10 @@ def register(sub) -> None:
     bench.add_argument("--resume", action="store_true",
                        help="continue an interrupted run of the same --name: prompts finished with every method "
                             "are kept (from NAME.partial.jsonl), the rest are run")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="run every prompt's methods this many times, every other round in reverse order; "
+                            "tokens/s per prompt and method is the median over the rounds (a shared CPU's speed "
+                            "drifts by tens of percent within minutes); --resume can add rounds to a finished run")
     bench.add_argument("--batch-sizes", help="throughput mode: decode in batches of each size, e.g. 1,2,4,8 "
                                              "(speed-up over batched AR per batch size)")
     bench.add_argument("--overhead", action="store_true",
@@ -80,6 +84,10 @@ def run_bench(args) -> None:
     if args.overhead:
         run_bench_overhead(args)
         return
+    if args.rounds < 1:
+        raise CastspecError(f"--rounds must be at least 1 (got {args.rounds})")
+    if args.rounds > 1 and args.batch_sizes:
+        raise CastspecError("--rounds repeats the per-prompt benchmark; the throughput mode (--batch-sizes) runs once")
     args.methods, args.dtype = args.methods or DEMO_METHODS, args.dtype or "bf16"
     specs = parse_methods(args.methods)
     sampling = sampling_params(args)
@@ -126,7 +134,8 @@ def run_bench(args) -> None:
         print(f"results: {Path(args.out_dir) / args.name}.json / .md / .png")
         return
     result = run_benchmark(target, tokenizer, draft, specs, prompts, args.max_new_tokens, partial=files.partial,
-                           sampling=sampling, draft_sampling=args.draft_sampling, head=head, resume=args.resume)
+                           sampling=sampling, draft_sampling=args.draft_sampling, head=head, resume=args.resume,
+                           rounds=args.rounds)
     result["meta"]["settings"] = settings
     files.clear()
     title = (f"{args.model} ({args.dtype}), draft {args.draft}{f', head {args.head}' if args.head else ''}, "
