@@ -595,3 +595,42 @@ def test_a_drafter_that_never_pays_costs_a_few_percent_over_ar_at_most():
 
 def test_a_fixed_table_is_never_explored():
     assert CastPolicy(table(0.7, 0.4, fixed=0.3), auto=True).exploration is None
+
+
+def test_a_lookup_guess_is_priced_by_its_match_length_not_by_its_depth():
+    """After other texts taught the map that short matches' guesses are coin tosses, a node behind a long match
+    (a copy of the prompt, at depth 1 of its step) still reads as nearly sure: the calibration bands a lookup
+    drafter's nodes by match length. Banded by depth, both read as one first-guess map (the HumanEval ramp of
+    bench/regret: 3, 4, 5 nodes a step before a copy's first deep tree)."""
+    from dataclasses import replace
+
+    from castspec.decode.tree import DraftTree
+
+    policy = CastPolicy(table(0.05, 0.01), auto=True, calibrate=True)
+    guess = DraftTree.from_lists([5, 6], [-1, 0], [1.0, 1.0])
+    for _ in range(40):  # at the same score and depth: short matches rejected, long ones taken
+        policy.observe_tree(replace(guess, matched=[0, 2]), [])
+        policy.observe_tree(replace(guess, matched=[0, 16]), [1])
+    one = torch.ones(2, 1)
+    short, long = policy.node_utility(one, one, 1, matched=[2, 16]).flatten().tolist()
+    assert short < 0.2 and long > 0.85
+    by_depth = CastPolicy(table(0.05, 0.01), auto=True, calibrate=True)
+    for _ in range(40):
+        by_depth.observe_tree(guess, [])
+        by_depth.observe_tree(guess, [1])
+    assert 0.35 < by_depth.node_utility(torch.ones(1, 1), torch.ones(1, 1), 1).item() < 0.65
+
+
+def test_grown_trees_carry_each_node_s_match_length_into_what_calibration_learns():
+    from castspec.drafters.ngram import NgramDrafter
+
+    policy = CastPolicy(table(0.05, 0.01), auto=True, calibrate=True)
+    span = list(range(100, 120))
+    prompt = span + [7] + span[:6]  # the answer copies the span: a 6-token agreement, each node extends it
+    tree, _ = grow_tree(NgramDrafter(), policy, prompt, StepContext(1, len(prompt) - 1, depth_limit=8))
+    depths, matched = tree.depths.tolist(), tree.matched
+    assert len(tree) > 2 and matched[0] == 0
+    assert all(matched[i] == min(16, 5 + depths[i]) for i in range(1, len(tree)))
+    policy.observe_tree(tree, list(range(1, len(tree))))  # learnt in the bands of those lengths
+    assert policy.calibration.bands[0].seen == [0.0] * len(policy.calibration.bands[0].seen)
+

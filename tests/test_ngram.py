@@ -37,3 +37,21 @@ def test_rows_keep_separate_histories():
     assert first.tokens[0, 0] == 3 and second.tokens[0, 0] == 7
     d.keep_rows([1])
     assert d.begin([[9, 1, 2]], top_k=1)[0].tokens[0, 0] == 7
+
+
+def test_each_node_reports_how_far_its_context_agrees_with_the_earlier_text():
+    """The match length goes beyond the n-gram: "5 6" ends a 4-token agreement with "3 4 5 6" before it, and a
+    node's path extends it; a copy longer than the cap reads as the cap."""
+    from castspec.drafters.base import MATCH_CAP
+
+    d = NgramDrafter(max_n=2, min_n=2)
+    (cands,) = d.begin([[1, 2, 3, 4, 5, 6, 9, 3, 4, 5, 6]], top_k=2)
+    assert cands.tokens[0, 0] == 9 and cands.matched == [4]
+    pool = TreePool.from_lists([6, 9], [-1, 0])
+    (expanded,) = d.expand([pool], [[1]], top_k=2)  # "3 4 5 6 9" agrees with the text before the 3
+    assert expanded.tokens[0, 0] == 3 and expanded.matched == [5]
+    d.reset()
+    span = list(range(100, 130))
+    (copied,) = d.begin([span + [7] + span[:25]], top_k=2)
+    assert copied.tokens[0, 0] == span[25] and copied.matched == [MATCH_CAP]
+    assert d.begin([[1, 2, 3]], top_k=2)[0].matched == [0]  # no match

@@ -66,16 +66,19 @@ def test_proposals_are_the_continuations_of_the_longest_match_scored_by_count_an
     assert tokens[:2] == [3, 4]
     assert probs[0] == pytest.approx(2 / 4 * 3 / 4) and probs[1] == pytest.approx(1 / 4 * 3 / 4)
     assert probs[2:] == [0, 0]
+    assert cands.matched == [3]  # the match's length goes with the candidates (CAST calibrates by it)
     # a node's path extends the match: after "... 7 1 2 3" come 9 and 5, one each, behind a 4-token match
     pool = TreePool.from_lists([2, 3, 4], [-1, 0, 0])
     (expanded,) = drafter.expand([pool], [[1, 2]], 4)
     assert sorted(expanded.tokens[0, :2].tolist()) == [5, 9]
     assert expanded.probs[0, 0] == pytest.approx(1 / 3 * 4 / 5)
     assert expanded.tokens[1, 0] == 6  # "7 1 2 4" was followed by 6
+    assert expanded.matched == [4, 4]
     drafter.end_step()
     # single-token matches count too: nothing longer than "9" matches after a new 9
     (cands,) = drafter.begin([[9]], 4)
     assert cands.tokens[0, 0] == 7 and cands.probs[0, 0] == pytest.approx(1 / 2 * 1 / 2)
+    assert cands.matched == [1]
 
 
 def test_shared_tree_keeps_finished_outputs_within_its_budget_and_only_for_rows_that_opt_in():

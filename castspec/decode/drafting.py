@@ -41,12 +41,13 @@ class _Pool(TreePool):
     def __init__(self, root_token: int) -> None:
         super().__init__(root_token)
         self.scores, self.utilities = [1.0], [1.0]
+        self.matched: list[int] | None = [0]  # each node's match length (a lookup drafter's), None: a model's
         self.proposals: dict[int, Proposal] = {}
 
     def tree(self, keep: list[int] | None = None) -> DraftTree:
         """The pool as a tree, or only the nodes `keep` (ancestor-closed, the root among them)."""
         if keep is None:
-            return super().tree(self.scores, self.proposals)
+            return super().tree(self.scores, self.proposals, self.matched)
         keep = sorted(keep)
         new_index = {node: i for i, node in enumerate(keep)}
         parents = [-1] + [new_index[self.parents[node]] for node in keep[1:]]
@@ -54,7 +55,7 @@ class _Pool(TreePool):
         tokens, parents, depths = torch.tensor([[self.tokens[n] for n in keep], parents,
                                                 [self.depths[n] for n in keep]], dtype=torch.long)
         return DraftTree(tokens, parents, torch.tensor([self.scores[n] for n in keep], dtype=torch.float32), depths,
-                         proposals)
+                         proposals, None if self.matched is None else [self.matched[n] for n in keep])
 
 
 def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candidates],
@@ -77,25 +78,33 @@ def _add_layers(pools: list[_Pool], frontiers: list[list[int]], cands: list[Cand
     flat_parents = [(b, node) for b, frontier in enumerate(frontiers) for node in frontier]
     parent_utilities = torch.tensor([pools[b].utilities[node] for b, node in flat_parents])[:, None]
     parent_rows = [b for b, _ in flat_parents]
+    # a lookup drafter's match length per expanded node (its children's): None where a drafter gives none
+    matched = None if any(c.matched is None for c in cands) else [m for c in cands for m in c.matched]
     if policy is not None:
-        utilities = policy.node_utility(probs, parent_utilities, layer, parent_rows)
+        utilities = policy.node_utility(probs, parent_utilities, layer, parent_rows, matched)
     else:
         utilities = probs * parent_utilities
     prob_rows, token_rows = probs.tolist(), tokens.tolist()
     utility_rows = utilities.reshape(len(flat_parents), k).tolist()
-    # per row: (-utility, draw index, token, score, parent); sorting ranks by utility, then draw order
-    ranked: list[list[tuple[float, int, int, float, int]]] = [[] for _ in pools]
+    # per row: (-utility, draw index, token, score, parent, match length); sorting ranks by utility, then draw order
+    ranked: list[list[tuple[float, int, int, float, int, int]]] = [[] for _ in pools]
     for i, (b, parent) in enumerate(flat_parents):
         parent_score = pools[b].scores[parent]
+        length = matched[i] if matched is not None else 0
         for j, prob in enumerate(prob_rows[i]):
             if prob > 0:
-                ranked[b].append((-utility_rows[i][j], i * k + j, token_rows[i][j], prob * parent_score, parent))
+                ranked[b].append((-utility_rows[i][j], i * k + j, token_rows[i][j], prob * parent_score, parent,
+                                  length))
     size = max((len(entries) for entries in ranked), default=0)
     nodes, padded = [], []
     for pool, entries in zip(pools, ranked, strict=True):
         entries.sort()
         nodes.append(list(pool.append([e[2] for e in entries], [e[4] for e in entries])))
         pool.scores += [e[3] for e in entries]
+        if matched is None:
+            pool.matched = None
+        elif pool.matched is not None:
+            pool.matched += [e[5] for e in entries]
         row_utilities = [-e[0] for e in entries]
         pool.utilities += row_utilities
         padded.append(row_utilities + [0.0] * (size - len(entries)))
@@ -136,7 +145,7 @@ def _constrain(pools: list[_Pool], frontiers: list[list[int]], cands: list[Candi
                 pool.proposals.pop(node, None)  # a certain child: deterministic verification accepts it surely
             else:
                 probs[row, ~torch.tensor(allowed)] = 0.0
-        out.append(Candidates(tokens, probs))
+        out.append(Candidates(tokens, probs, matched=c.matched))
     return out
 
 

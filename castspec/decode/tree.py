@@ -31,6 +31,8 @@ class DraftTree:
     scores: torch.Tensor  # [n] float32, root's score is 1
     depths: torch.Tensor  # [n] int64
     proposals: dict[int, Proposal] = field(default_factory=dict, compare=False)  # sampled drafting only
+    # per node, the match length a lookup drafter proposed it from (Candidates.matched); None: a model drafter's
+    matched: list[int] | None = field(default=None, compare=False)
 
     @staticmethod
     def single(root_token: int) -> DraftTree:
@@ -152,10 +154,11 @@ class TreePool:
         """Indices from the root's first child down to `node` (empty for the root); do not modify."""
         return self._paths[node]
 
-    def tree(self, scores: list[float], proposals: dict[int, Proposal] | None = None) -> DraftTree:
+    def tree(self, scores: list[float], proposals: dict[int, Proposal] | None = None,
+             matched: list[int] | None = None) -> DraftTree:
         return DraftTree(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long),
                          torch.tensor(scores, dtype=torch.float32), torch.tensor(self.depths, dtype=torch.long),
-                         dict(proposals or {}))
+                         dict(proposals or {}), None if matched is None else list(matched))
 
 
 _BIT_WIDTH = 62  # node sets as the bits of an int64, its sign bit left alone

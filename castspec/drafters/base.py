@@ -22,6 +22,16 @@ class Candidates:
     tokens: torch.Tensor  # [F, k] int64
     probs: torch.Tensor  # [F, k] float32
     proposal: torch.Tensor | None = None  # [F, V] when sampled
+    # a lookup drafter's match length per row: how many tokens, up to and including the node, its context (sequence
+    # + the node's path) agrees on with the earlier text it proposes from (capped at MATCH_CAP). How sure such a
+    # guess is depends on it far more than on the tree depth: a 2-token match is a coin toss, a 16-token one a
+    # copy (bench/regret). None: a model drafter, whose nodes are calibrated by depth.
+    matched: list[int] | None = None
+
+
+# longer matches are copies alike: after a 16-token match the target took 463 of 466 next tokens of 32 MT-bench /
+# HumanEval / GSM8K / repetitive answers, after a 2-3 token one 146 of 272 (bench/regret/README.md)
+MATCH_CAP = 16
 
 
 def top_candidates(logits: torch.Tensor, k: int) -> Candidates:

@@ -8,7 +8,8 @@ counts, are the node's children, so a context seen several times gives a tree of
 A continuation's score is its share of the match's occurrences, shrunk by how little evidence stands behind it:
 one occurrence, or a match one token long, is a guess, not a sure thing (n / (N + 1) * l / (l + 1) for n of N
 continuations after a match of l tokens). The scores are not acceptance probabilities: CAST calibrates them
-against what the target accepts (`--cast-calibration`, on by default for this drafter).
+against what the target accepts (`--cast-calibration`, on by default for this drafter), by score and by the match's
+length, which goes with each node's candidates.
 
 A `SharedSuffixTrie` (one per server process) holds the outputs of earlier requests that opted in, within a
 token budget (the oldest outputs are evicted first), so that a repeated task family gets faster over time."""
@@ -22,7 +23,7 @@ from operator import itemgetter
 import torch
 
 from castspec.decode.tree import TreePool
-from castspec.drafters.base import Candidates, Drafter
+from castspec.drafters.base import MATCH_CAP, Candidates, Drafter
 from castspec.errors import CastspecError
 
 
@@ -108,6 +109,13 @@ class SuffixTrie:
         for token in tokens[-self.max_depth:]:
             ends = self.follow(ends, token)
         return ends
+
+    def match_length(self, ends: list[int]) -> int:
+        """The length of the longest match among `ends` that has continuations (0: none)."""
+        for node in reversed(ends):
+            if node != 0 and self.totals[node] > 0:
+                return self.depths[node]
+        return 0
 
     def continuations(self, ends: list[int], top_k: int, levels: int = 2) -> dict[int, float]:
         """Scored next tokens after the longest matches among `ends` that have continuations: the deepest such
@@ -211,24 +219,27 @@ class SuffixDrafter(Drafter):
             row.shared_version = self.shared.version
         return row.shared_ends
 
-    def _propose(self, row: _Row, ends: list[int], shared_ends: list[int], top_k: int) -> tuple[list[int],
-                                                                                                list[float]]:
+    def _propose(self, row: _Row, ends: list[int], shared_ends: list[int], top_k: int
+                 ) -> tuple[list[int], list[float], int]:
+        """A node's continuations, their scores and its match length (the longer of its own and the shared one)."""
         scores = row.trie.continuations(ends, top_k, self.levels)
+        length = row.trie.match_length(ends)
         if len(shared_ends) > 1:
             for token, score in self.shared.trie.continuations(shared_ends, top_k, self.levels).items():
                 scores[token] = max(score, scores.get(token, 0.0))
+            length = max(length, self.shared.trie.match_length(shared_ends))
         best = sorted(scores.items(), key=itemgetter(1), reverse=True)[:top_k]
-        return [t for t, _ in best], [s for _, s in best]
+        return [t for t, _ in best], [s for _, s in best], length
 
     @staticmethod
-    def _candidates(proposals: list[tuple[list[int], list[float]]], top_k: int) -> Candidates:
+    def _candidates(proposals: list[tuple[list[int], list[float], int]], top_k: int) -> Candidates:
         tokens = torch.zeros(len(proposals), top_k, dtype=torch.long)
         probs = torch.zeros(len(proposals), top_k)
-        for i, (toks, ps) in enumerate(proposals):
+        for i, (toks, ps, _) in enumerate(proposals):
             if toks:
                 tokens[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
                 probs[i, : len(ps)] = torch.tensor(ps)
-        return Candidates(tokens, probs)
+        return Candidates(tokens, probs, matched=[min(length, MATCH_CAP) for _, _, length in proposals])
 
     def begin(self, new_tokens: list[list[int]], top_k: int, features=None) -> list[Candidates]:
         out = []

@@ -42,9 +42,10 @@ class Policy(ABC):
         return True
 
     def node_utility(self, probs: torch.Tensor, parent_utility: torch.Tensor, depth: int = 1,
-                     rows: list[int] | None = None) -> torch.Tensor:
+                     rows: list[int] | None = None, matched: list[int] | None = None) -> torch.Tensor:
         """A drafted node's worth from its draft probability given its parent (`probs` [F, k]), its parent's
-        utility ([F, 1]), its depth (a layer's nodes share it) and each parent's row in the batch (`rows`, [F]).
+        utility ([F, 1]), its depth (a layer's nodes share it), each parent's row in the batch (`rows`, [F]) and,
+        from a lookup drafter, each parent's match length (`matched`, [F], `Candidates.matched`).
         The default is the draft score: the product of draft probabilities along the path. It must not exceed
         the parent's (so that the best nodes always form a tree)."""
         return probs * parent_utility
