@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 import torch
@@ -634,3 +635,29 @@ def test_grown_trees_carry_each_node_s_match_length_into_what_calibration_learns
     policy.observe_tree(tree, list(range(1, len(tree))))  # learnt in the bands of those lengths
     assert policy.calibration.bands[0].seen == [0.0] * len(policy.calibration.bands[0].seen)
 
+
+def test_a_chain_that_pays_is_drafted_although_its_first_node_alone_would_not():
+    """The verify forward's price is not concave in its tokens (a second token costs 0.26 AR steps, each one after
+    0.04): after a long accepted copy lifted the goodput to 3.9 tokens per AR step, a copy's sure first node (1
+    token for 0.26) does not pay alone, but the chain it heads does (16 tokens for 0.86). Breadth and depth
+    pruning project the chain (`CastPolicy._chain_pays`) instead of stopping there (before: a 0-node tree, and one
+    token a step until the goodput sank back)."""
+    from castspec.drafters.ngram import NgramDrafter
+
+    batch_sizes, contexts, tokens = [1, 2, 4, 8], [16, 4096], list(range(1, 129))
+    target = CostGrid(batch_sizes, contexts, tokens, [[[1.0 if n == 1 else 1.26 + 0.04 * (n - 2) for n in tokens]
+                                                       for _ in contexts] for _ in batch_sizes])
+    draft = CostGrid(batch_sizes, contexts, tokens, [[[1e-4] * len(tokens) for _ in contexts] for _ in batch_sizes])
+    span = list(range(100, 140))
+    prompt = span + [7] + span[:4]  # the answer copies the span
+    for goodput, least in ((1.0, 16), (3.9, 16)):
+        policy = CastPolicy(CostTable({"target": {}}, target, draft), auto=True, max_depth=16)
+        policy.goodput = goodput
+        tree, _ = grow_tree(NgramDrafter(), policy, prompt, StepContext(1, len(prompt) - 1, depth_limit=16))
+        assert len(tree) - 1 >= least
+    # a chain that does not pay is still declined: the same guesses at one chance in five
+    policy = CastPolicy(CostTable({"target": {}}, target, draft), auto=True, max_depth=16)
+    policy.goodput, policy.ratios = 3.9, deque([0.2])
+    one = torch.tensor([[0.2]])
+    assert not policy._chain_pays(0.2, 1, 1, StepContext(1, 44, depth_limit=16), 3.9)
+    assert policy.node_utility(one, torch.ones(1, 1)).item() == pytest.approx(0.2)
