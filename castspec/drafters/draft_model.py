@@ -92,14 +92,10 @@ class DraftModelDrafter(Drafter):
                 inputs[row, holes[row]:] = features[row].cpu()
             self.lengths[row] += len(new)
         causal = torch.ones(width, width, dtype=torch.bool).tril()
-        if not any(holes):  # every row absorbs as many tokens (always so at B = 1): causal over the chunk
-            chunk_valid = torch.ones(rows, width, dtype=torch.bool)
-            mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), causal[None].expand(rows, -1, -1)], dim=2)
-        else:
-            chunk_valid = torch.tensor([[False] * hole + [True] * (width - hole) for hole in holes])
-            mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), causal[None] & chunk_valid[:, None, :]],
-                             dim=2)
-            mask &= chunk_valid[:, :, None]  # a hole sees only itself
+        chunk_valid = torch.tensor([[False] * hole + [True] * (width - hole) for hole in holes])
+        mask = torch.cat([self.valid[:, None, :].expand(-1, width, -1), causal[None] & chunk_valid[:, None, :]], dim=2)
+        if any(holes):  # a hole sees only itself (with none, always so at B = 1, the chunk is causal as it stands)
+            mask &= chunk_valid[:, :, None]
             mask[:, :, start:] |= torch.eye(width, dtype=torch.bool)
         logits, hidden = self._run(tokens.to(self.device), positions.to(self.device), mask[:, None].to(self.device),
                                    None if inputs is None else inputs.to(self.device), last_only=True)
