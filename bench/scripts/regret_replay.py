@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from row_regimes import FIXED, log, references, run_method, speedups  # noqa: E402
+from row_regimes import FIXED, drafter_tables, log, references, run_method, speedups  # noqa: E402
 
 from castspec.api import Engine  # noqa: E402
 from castspec.bench.runner import encode_prompts  # noqa: E402
@@ -100,17 +100,7 @@ def report(result: dict, sets: list[str]) -> str:
              f"`{meta['command']}` ({meta['date']}, {meta['machine']}); {len(meta['prompts'])} prompts x "
              f"{meta['max_new_tokens']} tokens. Cell: predicted speed-up over AR (for CAST, x the best fixed tree "
              "of the column).", ""]
-    for drafter, d in result["drafters"].items():
-        s, rel = d["speedups"], relative(d["speedups"], sets)
-        best = {c: max(s[m][c] for m in s if not m.startswith("cast")) for c in [*sets, "all"]}
-        lines += [f"## {drafter}", "", "| method | " + " | ".join([*sets, "all"]) + " |",
-                  "|---|" + "---|" * (len(sets) + 1)]
-        for m, cols in s.items():
-            cells = [f"{cols[c]:.2f}x" + (f" (**{rel[c]:.2f}**)" if m.startswith("cast") else "")
-                     + ("*" if not m.startswith("cast") and cols[c] == best[c] else "") for c in [*sets, "all"]]
-            lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
-        lines += ["", "\\* the best fixed tree of the column.", ""]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + drafter_tables(result, sets)) + "\n"
 
 
 def plot(result: dict, sets: list[str], path: Path) -> None:

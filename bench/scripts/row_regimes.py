@@ -157,6 +157,13 @@ def report(result: dict, sets: list[str]) -> str:
              f"{len(meta['prompts'])} prompts x {meta['max_new_tokens']} tokens, references: {meta['references']}; "
              "verify priced by the learnt table, drafting timed. Cell: predicted speed-up over AR (x the best fixed "
              "tree of the column for the CAST rows).", ""]
+    return "\n".join(lines + drafter_tables(result, sets)) + "\n"
+
+
+def drafter_tables(result: dict, sets: list[str]) -> list[str]:
+    """Per drafter, a markdown table: each method's speed-up per column, CAST rows also over the column's best
+    fixed tree (starred)."""
+    lines = []
     for drafter, d in result["drafters"].items():
         s = d["speedups"]
         fixed = [m for m in s if not m.startswith("cast")]
@@ -168,7 +175,7 @@ def report(result: dict, sets: list[str]) -> str:
                      + ("*" if not m.startswith("cast") and cols[c] == best[c] else "") for c in [*sets, "all"]]
             lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
         lines += ["", "\\* the best fixed tree of the column.", ""]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(result: dict, sets: list[str], path: Path) -> None:
